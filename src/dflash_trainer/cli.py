@@ -1,0 +1,81 @@
+"""`dflash <command>`: one entry point, each command implemented in its own module.
+
+Only the chosen command's module is imported, so `dflash --help` stays fast and a
+broken optional dependency of one command never breaks the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dflash_trainer import __version__
+from dflash_trainer.config import ConfigError
+from dflash_trainer.errors import DFlashError
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    help: str
+    add_arguments: str = "add_arguments"
+    run: str = "run"
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("dflash_trainer.train_cli", "train a drafter online against a frozen target"),
+    "plan": Command("dflash_trainer.planner", "FLOPs, time and memory per GPU of a run, before it starts"),
+    "doctor": Command("dflash_trainer.doctor", "pre-flight checks of a config against its target"),
+    "eval": Command("dflash_trainer.evaluate", "speculative decoding: acceptance length and speedup"),
+    "export": Command("dflash_trainer.export", "write a drafter for vLLM / SGLang / z-lab / speculators"),
+    "import": Command(
+        "dflash_trainer.export",
+        "read a published drafter (z-lab or speculators layout)",
+        add_arguments="add_import_arguments",
+        run="run_import",
+    ),
+    "data": Command("dflash_trainer.data.cli", "prepare, regenerate and inspect training data"),
+    "plot": Command("dflash_trainer.plots", "write PNG training curves of a run directory"),
+}
+
+
+def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash",
+        description="Train DFlash speculative-decoding drafters and prove they work.",
+    )
+    parser.add_argument("--version", action="version", version=f"dflash-trainer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if name == selected:
+            module = importlib.import_module(cmd.module)
+            getattr(module, cmd.add_arguments)(p)
+            p.set_defaults(_run=getattr(module, cmd.run))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser(selected if selected in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    run: Callable[[argparse.Namespace], int] = args._run
+    try:
+        return int(run(args) or 0)
+    except (ConfigError, DFlashError, FileNotFoundError) as e:
+        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

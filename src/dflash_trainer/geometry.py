@@ -1,0 +1,180 @@
+"""Derive the concrete drafter geometry (`DrafterSpec`) from the target's HF config.
+
+Only three things must match the target: hidden_size (the drafter shares the target's
+embed_tokens and lm_head), vocab_size, and H_target (fc's input width). Attention
+geometry is the drafter's own: copying the target's (seed "Bug 1") gives a bigger,
+incompatible model, so it comes from a preset or explicit fields, never from the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_trainer.config import GEOMETRY_PRESETS, ConfigError, DrafterConfig
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Every number the drafter model and its exports need; nothing left to defaults."""
+
+    hidden_size: int
+    vocab_size: int
+    target_hidden_size: int
+    num_target_hidden_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    rms_norm_eps: float
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+
+    @property
+    def num_context_features(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DrafterSpec:
+        d = dict(d)
+        d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        d["layer_types"] = tuple(d["layer_types"])
+        return cls(**d)
+
+
+def default_target_layer_ids(num_hidden_layers: int, n: int) -> tuple[int, ...]:
+    """z-lab's spread: round(1 + i*(L-4)/(n-1)) for n > 1, L//2 for n = 1.
+
+    Python's round (half to even) as in the reference, so exports match published ids.
+    """
+    if n == 1:
+        return (num_hidden_layers // 2,)
+    if num_hidden_layers < 4:
+        # The formula needs L >= 4; tiny test targets tap evenly instead.
+        return tuple(sorted({round(i * (num_hidden_layers - 1) / (n - 1)) for i in range(n)}))
+    return tuple(int(round(1 + i * (num_hidden_layers - 4) / (n - 1))) for i in range(n))
+
+
+def text_config(hf_config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) HF config."""
+    getter = getattr(hf_config, "get_text_config", None)
+    return getter() if callable(getter) else hf_config
+
+
+def rope_theta_of(cfg: Any, default: float = 10000.0) -> float:
+    """rope_theta flat (transformers 4) or inside rope_parameters (transformers 5)."""
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            return float(rp["rope_theta"])
+        for sub in rp.values():  # per-layer-type nesting (e.g. gemma3)
+            if isinstance(sub, dict) and "rope_theta" in sub:
+                return float(sub["rope_theta"])
+    theta = getattr(cfg, "rope_theta", None)
+    return float(theta) if theta is not None else default
+
+
+def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterSpec:
+    """Combine the drafter knobs with the target's shared dims; validate the result."""
+    t = text_config(target_hf_config)
+    hidden = int(t.hidden_size)
+    vocab = int(t.vocab_size)
+    n_layers_t = int(t.num_hidden_layers)
+
+    layer_ids = dcfg.target_layer_ids or default_target_layer_ids(
+        n_layers_t, dcfg.num_target_layers
+    )
+    bad = [i for i in layer_ids if not 0 <= i < n_layers_t]
+    if bad:
+        raise ConfigError(
+            f"drafter.target_layer_ids: {bad} out of range for a target with "
+            f"{n_layers_t} layers (valid ids 0..{n_layers_t - 1}; ids are 0-based "
+            "decoder layers, not hidden_states indices)"
+        )
+
+    preset = GEOMETRY_PRESETS.get(dcfg.geometry or "", {})
+    heads = dcfg.num_attention_heads or preset.get("num_attention_heads")
+    kv_heads = dcfg.num_key_value_heads or preset.get("num_key_value_heads")
+    head_dim = dcfg.head_dim or preset.get("head_dim")
+    if heads is None or kv_heads is None:
+        raise ConfigError(
+            "drafter.num_attention_heads / drafter.num_key_value_heads: not set and no "
+            "drafter.geometry preset; choose a preset (e.g. drafter.geometry=qwen3) or "
+            "give both explicitly (the drafter never copies the target's attention geometry)"
+        )
+    if dcfg.layer_class == "llama":
+        if hidden % heads != 0:
+            raise ConfigError(
+                f"drafter.num_attention_heads={heads} does not divide target hidden_size="
+                f"{hidden} ({hidden} % {heads} = {hidden % heads}); a llama-class drafter "
+                f"needs hidden_size % num_attention_heads == 0. Use drafter.layer_class=qwen3 "
+                f"(free head_dim) or a head count that divides {hidden}"
+            )
+        llama_hd = hidden // heads
+        if head_dim is not None and dcfg.head_dim is not None and head_dim != llama_hd:
+            raise ConfigError(
+                f"drafter.head_dim={head_dim} but a llama-class drafter has head_dim = "
+                f"hidden_size / num_attention_heads = {llama_hd}; drop head_dim or use "
+                "drafter.layer_class=qwen3"
+            )
+        head_dim = llama_hd
+    if head_dim is None:
+        raise ConfigError("drafter.head_dim: not set and no drafter.geometry preset gives it")
+    if heads % kv_heads != 0:
+        raise ConfigError(
+            f"drafter.num_attention_heads={heads} is not a multiple of "
+            f"drafter.num_key_value_heads={kv_heads}; grouped-query attention needs "
+            "each KV head to serve the same number of query heads"
+        )
+    if head_dim % 2 != 0:
+        raise ConfigError(f"drafter.head_dim={head_dim} must be even for RoPE")
+
+    if dcfg.mask_token_id is None:
+        raise ConfigError(
+            "drafter.mask_token_id: required. Pick a token id that never occurs in the "
+            "training data and is not EOS/PAD (Qwen3: 151669, Qwen3.5/3.6: 248070, "
+            "SmolLM2: 16 <empty_output>); `dflash doctor --data` checks it"
+        )
+    if not 0 <= dcfg.mask_token_id < vocab:
+        raise ConfigError(
+            f"drafter.mask_token_id={dcfg.mask_token_id} is outside the target vocab "
+            f"(0..{vocab - 1})"
+        )
+
+    intermediate = dcfg.intermediate_size or int(getattr(t, "intermediate_size", 4 * hidden))
+    return DrafterSpec(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        target_hidden_size=hidden,
+        num_target_hidden_layers=n_layers_t,
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        block_size=dcfg.block_size,
+        mask_token_id=int(dcfg.mask_token_id),
+        num_layers=dcfg.num_layers,
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(intermediate),
+        rope_theta=float(dcfg.rope_theta or rope_theta_of(t)),
+        layer_types=dcfg.resolved_layer_types(),
+        sliding_window=dcfg.sliding_window,
+        rms_norm_eps=float(dcfg.rms_norm_eps),
+        max_position_embeddings=int(
+            dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", 32768)
+        ),
+    )
