@@ -27,10 +27,16 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "train": Command("dflash_trainer.train_cli", "train a drafter online against a frozen target"),
-    "plan": Command("dflash_trainer.planner", "FLOPs, time and memory per GPU of a run, before it starts"),
+    "plan": Command(
+        "dflash_trainer.planner", "FLOPs, time and memory per GPU of a run, before it starts"
+    ),
     "doctor": Command("dflash_trainer.doctor", "pre-flight checks of a config against its target"),
-    "eval": Command("dflash_trainer.evaluate", "speculative decoding: acceptance length and speedup"),
-    "export": Command("dflash_trainer.export", "write a drafter for vLLM / SGLang / z-lab / speculators"),
+    "eval": Command(
+        "dflash_trainer.evaluate", "speculative decoding: acceptance length and speedup"
+    ),
+    "export": Command(
+        "dflash_trainer.export", "write a drafter for vLLM / SGLang / z-lab / speculators"
+    ),
     "import": Command(
         "dflash_trainer.export",
         "read a published drafter (z-lab or speculators layout)",

@@ -111,7 +111,9 @@ class DrafterConfig:
         if self.num_layers < 1:
             _fail(f"{p}.num_layers", f"must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
-            _fail(f"{p}.block_size", f"must be >= 2 (anchor + drafted slots), got {self.block_size}")
+            _fail(
+                f"{p}.block_size", f"must be >= 2 (anchor + drafted slots), got {self.block_size}"
+            )
         if self.num_target_layers < 1:
             _fail(f"{p}.num_target_layers", "must be >= 1")
         if self.target_layer_ids is not None:
@@ -446,6 +448,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             _fail(path, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` (no dot) as a string; accept what a user means.
+            try:
+                return float(value)
+            except ValueError:
+                _fail(path, f"expected a number, got {value!r}")
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(path, f"expected a number, got {value!r}")
         return float(value)
@@ -466,9 +474,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
             f"{where}{unknown[0]}",
             f"unknown key; valid keys of {path or 'the config'} are {names}",
         )
-    kwargs = {
-        k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()
-    }
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kwargs)
 
 

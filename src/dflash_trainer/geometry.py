@@ -67,7 +67,7 @@ def default_target_layer_ids(num_hidden_layers: int, n: int) -> tuple[int, ...]:
     if num_hidden_layers < 4:
         # The formula needs L >= 4; tiny test targets tap evenly instead.
         return tuple(sorted({round(i * (num_hidden_layers - 1) / (n - 1)) for i in range(n)}))
-    return tuple(int(round(1 + i * (num_hidden_layers - 4) / (n - 1))) for i in range(n))
+    return tuple(round(1 + i * (num_hidden_layers - 4) / (n - 1)) for i in range(n))
 
 
 def text_config(hf_config: Any) -> Any:
@@ -108,7 +108,7 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
         )
 
     preset = GEOMETRY_PRESETS.get(dcfg.geometry or "", {})
-    heads = dcfg.num_attention_heads or preset.get("num_attention_heads")
+    heads: int | None = dcfg.num_attention_heads or preset.get("num_attention_heads")
     kv_heads = dcfg.num_key_value_heads or preset.get("num_key_value_heads")
     head_dim = dcfg.head_dim or preset.get("head_dim")
     if heads is None or kv_heads is None:
@@ -175,6 +175,6 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
         sliding_window=dcfg.sliding_window,
         rms_norm_eps=float(dcfg.rms_norm_eps),
         max_position_embeddings=int(
-            dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", 32768)
+            dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", None) or 32768
         ),
     )

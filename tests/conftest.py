@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny real drafter specs and packs built in code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_trainer.geometry import DrafterSpec
+
+
+def make_spec(
+    hidden: int = 64,
+    vocab: int = 97,
+    layers: int = 2,
+    block: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    layer_types: tuple[str, ...] | None = None,
+    window: int | None = None,
+    n_tapped: int = 3,
+) -> DrafterSpec:
+    return DrafterSpec(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        target_hidden_size=hidden,
+        num_target_hidden_layers=8,
+        target_layer_ids=tuple(range(1, 1 + 2 * n_tapped, 2)),
+        block_size=block,
+        mask_token_id=vocab - 1,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=2 * hidden,
+        rope_theta=10000.0,
+        layer_types=layer_types or ("full_attention",) * layers,
+        sliding_window=window,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+    )
+
+
+@pytest.fixture
+def spec() -> DrafterSpec:
+    return make_spec(layers=2, layer_types=("sliding_attention", "full_attention"), window=3)
+
+
+def random_docs(
+    lengths: list[int], vocab: int = 90, p_mask: float = 0.7, seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    masks = [torch.rand(n, generator=g) < p_mask for n in lengths]
+    return ids, masks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
