@@ -44,7 +44,7 @@ def _source(tcfg: TargetConfig) -> tuple[str, str | None]:
     return str(src), gguf
 
 
-def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") -> nn.Module:
+def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") -> Any:
     """An HF causal LM, frozen and in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +55,7 @@ def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") ->
         cfg = load_target_config(tcfg)
         torch.manual_seed(0)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
+            model: Any = AutoModelForCausalLM.from_config(
                 cfg, dtype=dtype, trust_remote_code=tcfg.trust_remote_code
             )
     else:
@@ -83,7 +83,7 @@ def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") ->
     return model
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: Any) -> nn.ModuleList:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -108,15 +108,15 @@ class TargetBatch:
 class FrozenTarget:
     """A frozen HF causal LM with hooks on `layer_ids` (0-based decoder layers)."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
-        self.model = model
+    def __init__(self, model: Any, layer_ids: Sequence[int]) -> None:
+        self.model: Any = model
         self.layer_ids = list(layer_ids)
         self.layers = decoder_layers(model)
         n = len(self.layers)
         bad = [i for i in self.layer_ids if not 0 <= i < n]
         if bad:
             raise DFlashError(f"target_layer_ids {bad} out of range for a {n}-layer target")
-        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.decoder: Any = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self._captured: dict[int, torch.Tensor] = {}
 
     @property
@@ -141,7 +141,7 @@ class FrozenTarget:
         captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
-        def hook(idx: int):  # type: ignore[no-untyped-def]
+        def hook(idx: int) -> Any:
             def fn(_m: nn.Module, _inp: Any, out: Any) -> None:
                 captured[idx] = out[0] if isinstance(out, tuple) else out
                 if stop_after_last and idx == last:
