@@ -1,0 +1,202 @@
+"""`dflash data prepare | regenerate | stats`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from dflash_trainer.data.formats import FORMATS
+from dflash_trainer.errors import DFlashError
+
+_THINKING = {"on": True, "off": False, "default": None}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,stats}")
+
+    p = sub.add_parser("prepare", help="conversations -> chat template + masks -> shards")
+    p.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
+    p.add_argument("--format", default="auto", choices=FORMATS)
+    p.add_argument(
+        "--tokenizer",
+        default="asset:smollm2-135m-instruct",
+        help="asset:<name>, a directory, a .gguf file, DIR::FILE.gguf or a hub id",
+    )
+    p.add_argument("--out", required=True, type=Path, help="the prepared directory to write")
+    p.add_argument("--max-records", type=int, help="read at most N source records")
+    p.add_argument("--max-tokens", type=int, help="skip documents longer than N tokens")
+    p.add_argument("--eval-fraction", type=float, default=0.02)
+    p.add_argument(
+        "--thinking",
+        choices=sorted(_THINKING),
+        default="default",
+        help="enable_thinking for Qwen3-style templates",
+    )
+    p.add_argument("--budget", type=int, default=8192, help="token budget shown in the stats")
+    p.add_argument("--overwrite", action="store_true", help="replace a different preparation")
+
+    r = sub.add_parser("regenerate", help="replace assistant turns by the target's own answers")
+    r.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
+    r.add_argument("--format", default="auto", choices=FORMATS)
+    r.add_argument("--model", default="asset:smollm2-135m-instruct", help="the target")
+    r.add_argument("--tokenizer", help="defaults to --model")
+    r.add_argument("--out", required=True, type=Path, help="JSONL output (appended, resumable)")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--thinking", choices=sorted(_THINKING), default="default")
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--max-records", type=int, help="read at most N source records")
+    r.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=4096,
+        help="a longer prompt ends its conversation (0: no limit)",
+    )
+    r.add_argument("--max-turns", type=int, help="answer only the first N user turns")
+    r.add_argument(
+        "--backend",
+        choices=["auto", "hf", "vllm"],
+        default="auto",
+        help="auto: vllm when it is installed and a GPU is present, else hf",
+    )
+    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-progress", action="store_true")
+
+    s = sub.add_parser("stats", help="statistics of a prepared directory")
+    s.add_argument("path", type=Path)
+    s.add_argument("--split", default="all", help="train, eval or all")
+    s.add_argument("--budget", type=int, default=8192)
+    s.add_argument("--png", type=Path, help="write a length histogram PNG here")
+    s.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    parser.set_defaults(_data_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = getattr(args, "data_command", None)
+    if command is None:
+        args._data_parser.print_help()
+        return 2
+    if command == "prepare":
+        return _prepare(args)
+    if command == "regenerate":
+        return _regenerate(args)
+    return _stats(args)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from dflash_trainer.data.prepare import prepare_dataset
+    from dflash_trainer.data.records import ReadReport
+    from dflash_trainer.data.shards import read_manifest
+
+    thinking = _THINKING[args.thinking]
+    t0 = time.perf_counter()
+    out = prepare_dataset(
+        args.input,
+        args.tokenizer,
+        args.out,
+        fmt=args.format,
+        max_records=args.max_records,
+        max_tokens=args.max_tokens,
+        eval_fraction=args.eval_fraction,
+        template_kwargs=None if thinking is None else {"enable_thinking": thinking},
+        overwrite=args.overwrite,
+        budget=args.budget,
+    )
+    manifest = read_manifest(out)
+    print(ReadReport.from_dict(manifest["read_report"]).format())
+    print()
+    print((out / "stats.txt").read_text().rstrip())
+    print(f"\nprepared {out} in {time.perf_counter() - t0:.1f} s", end="")
+    print(f" (built in {manifest['prepare_seconds']} s)" if "prepare_seconds" in manifest else "")
+    return 0
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from dflash_trainer.data.formats import read_records
+    from dflash_trainer.data.loading import load_causal_lm, load_tokenizer, resolve_source
+    from dflash_trainer.data.records import Conversation, ReadReport
+    from dflash_trainer.data.regenerate import regenerate
+
+    device = _resolve_device(args.device)
+    backend = args.backend
+    if backend == "auto":
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        backend = "vllm" if has_vllm and device.startswith("cuda") else "hf"
+    report = ReadReport(source=args.input)
+    records = read_records(resolve_source(args.input), args.format, report, False, args.max_records)
+    convs = [c for c in records if isinstance(c, Conversation)]
+    print(report.format(), file=sys.stderr)
+    if not convs:
+        raise DFlashError(f"no conversations with a user turn in {args.input}")
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    if backend == "vllm":
+        from dflash_trainer.data.loading import split_spec
+        from dflash_trainer.data.vllm_backend import load_llm
+
+        where, gguf = split_spec(args.model)
+        tok_dir = split_spec(args.tokenizer or args.model)[0]
+        model = load_llm(str(Path(where) / gguf) if gguf else where, args.dtype, args.seed, tok_dir)
+    else:
+        model = load_causal_lm(args.model, device, args.dtype)
+    result = regenerate(
+        convs,
+        model,
+        tokenizer,
+        args.out,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        enable_thinking=_THINKING[args.thinking],
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens or None,
+        max_turns=args.max_turns,
+        model_name=args.model,
+        backend=backend,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print(
+        f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
+        f"{result.skipped_prompt_too_long} skipped: first prompt too long, "
+        f"{result.truncated_at_prompt_limit} cut at the prompt limit); "
+        f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
+        f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
+    )
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from dflash_trainer.data.shards import PreparedDataset, read_manifest
+    from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
+
+    manifest = read_manifest(args.path)
+    splits = sorted(manifest["splits"]) if args.split == "all" else [args.split]
+    for split in splits:
+        ds = PreparedDataset(args.path, split)
+        if args.verify:
+            ds.verify()
+        print(format_stats(dataset_stats(ds, args.budget), f"[{split}] {args.path}"))
+        print()
+        if args.png is not None and split == splits[0]:
+            plot_lengths(ds.lengths, args.png, args.budget, f"{split} document lengths")
+    if args.verify:
+        print("checksums: all shards OK")
+    if args.png is not None:
+        print(f"wrote {args.png}")
+    print(f"source {manifest['source']['spec']}, tokenizer {manifest['tokenizer']['name']}")
+    return 0

@@ -1,0 +1,109 @@
+"""Resolve user specs: data sources, tokenizers and (for regeneration) causal LMs.
+
+Accepted specs, for tokenizers and models alike:
+- `asset:<name>`: an offline asset (ASSETS.md), e.g. `asset:smollm2-135m-instruct` (a GGUF);
+- a `.gguf` file, or `DIR::FILE.gguf` (a directory plus the GGUF file in it);
+- a local directory with tokenizer/model files;
+- anything else is a Hugging Face hub id.
+Remote code is never run unless the caller passes trust_remote_code=True: a hub id is text typed
+by a user, and a tokenizer should not be a way to run someone else's Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.assets import AssetNotFound, asset_path
+from dflash_trainer.data.jsonio import require_datasets
+from dflash_trainer.errors import DFlashError
+
+
+def split_spec(spec: str | Path) -> tuple[str, str | None]:
+    """(directory or hub id, gguf file name or None)."""
+    text = str(spec)
+    if text.startswith("asset:"):
+        try:
+            path = asset_path(text[len("asset:") :])
+        except AssetNotFound as e:
+            raise DFlashError(str(e)) from e
+        text = str(path)
+    if "::" in text:
+        directory, gguf = text.split("::", 1)
+        return directory, gguf
+    p = Path(text)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise DFlashError(f"GGUF file {p} does not exist")
+        return str(p.parent), p.name
+    return text, None
+
+
+def resolve_source(spec: str | Path) -> Path | str:
+    """A data source: a local path, or (a str) a Hugging Face dataset name.
+
+    `asset:<name>` -> the asset's path; `hf:<name>[:split]` -> the dataset name; an existing
+    path -> itself; a missing path with a file suffix or a path separator -> an error;
+    anything else (`org/name`) is taken as a dataset name.
+    """
+    text = str(spec)
+    if text.startswith("asset:"):
+        try:
+            return asset_path(text[len("asset:") :])
+        except AssetNotFound as e:
+            raise DFlashError(str(e)) from e
+    if text.startswith("hf:"):
+        require_datasets(text[len("hf:") :])
+        return text[len("hf:") :]
+    p = Path(text).expanduser()
+    if p.exists():
+        return p
+    looks_local = p.suffix != "" or text.startswith((".", "/", "~")) or text.count("/") > 1
+    if looks_local:
+        raise DFlashError(f"input {text} does not exist (for a Hugging Face dataset use hf:NAME)")
+    require_datasets(text)  # fail now, not after loading a tokenizer
+    return text
+
+
+def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
+    """A tokenizer object is returned as is; a spec string is loaded (see module docstring)."""
+    if not isinstance(spec, str | Path):
+        return spec
+    from transformers import AutoTokenizer
+
+    where, gguf = split_spec(spec)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+    try:
+        return AutoTokenizer.from_pretrained(where, **kwargs)
+    except OSError as e:
+        raise DFlashError(
+            f"cannot load a tokenizer from {spec!r}: {e}. Pass asset:<name>, a local directory, "
+            "a .gguf file or a hub id that exists"
+        ) from e
+
+
+def load_causal_lm(
+    spec: str | Path,
+    device: str = "cpu",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> Any:
+    """An `AutoModelForCausalLM` in eval mode on `device`; GGUF files are dequantised."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    where, gguf = split_spec(spec)
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, dtype)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
+    if gguf is not None:
+        kwargs["gguf_file"] = gguf
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except OSError as e:
+        raise DFlashError(f"cannot load a causal LM from {spec!r}: {e}") from e
+    return model.to(device).eval()

@@ -1,0 +1,367 @@
+"""Replace every assistant turn by the target's own answer, turn by turn, resumably.
+
+Why: a drafter learns to predict the target; answers written by another model (ShareGPT's
+ChatGPT) teach it someone else's distribution. Turn t is answered with the REGENERATED history
+(the target's own answers to turns < t), so the whole conversation is on-policy; the user turns
+are kept as they are.
+
+Throughput: the pending prompts of a round are sorted by length and generated in left-padded
+batches (little padding per batch; left padding so that every row's next token sits in the last
+column). Conversations are processed in windows of `window` conversations: round r generates
+turn r of every unfinished conversation of the window. Per-prompt HF `generate` is available as
+`per_prompt_generate`, the baseline the benchmark compares against. vLLM, when installed, is a
+separate backend (vllm_backend.py) behind the same two-method interface.
+
+Output: JSON Lines in the OpenAI messages format, one record per conversation:
+    {"id", "messages": [...], "generation": {model, backend, temperature, top_p, max_new_tokens,
+     enable_thinking, seed, finish_reasons: ["stop"|"length", ...], completion_tokens: [...]}}
+Each record is written with one write, flushed and fsynced. Resume: a restarted job reads the
+output, drops a partially written last line (a crash mid-write), refuses settings that differ
+from those recorded (a file must not mix two distributions), and skips the ids already done.
+Sampling is seeded once per job, so a resumed job is valid but not bit-identical to an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.template import ChatTemplate
+from dflash_trainer.errors import DFlashError
+
+SETTINGS_THAT_MUST_MATCH = ("model", "temperature", "top_p", "max_new_tokens", "enable_thinking")
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    model: str
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    enable_thinking: bool | None = None
+    """Passed to the chat template (Qwen3-style); None leaves the template's default."""
+    backend: str = "hf"
+    seed: int = 0
+
+
+class Generator(Protocol):
+    max_batch: int | None
+    """Prompts per call; None: give it the whole round (vLLM schedules by itself)."""
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """New token ids per prompt (may run past the first stop id; the caller cuts)."""
+        ...
+
+
+def stop_ids(tokenizer: Any, chat: ChatTemplate, model: Any = None) -> list[int]:
+    """Every id that ends a turn: the template's end-of-turn token and the declared EOS ids."""
+    ids = {chat.end_of_turn_id, tokenizer.eos_token_id}
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(declared if isinstance(declared, list) else [declared])
+    return sorted(i for i in ids if i is not None)
+
+
+def _hf_generation_config(settings: GenerationSettings, stops: list[int], pad: int) -> Any:
+    from transformers import GenerationConfig
+
+    # Built from scratch, not from the model's generation_config: the settings recorded in the
+    # output must be the ones used (a model default such as top_k=50 would silently apply).
+    sampling = settings.temperature > 0
+    return GenerationConfig(
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=sampling,
+        temperature=settings.temperature if sampling else None,
+        top_p=settings.top_p if sampling else None,
+        top_k=0 if sampling else None,
+        eos_token_id=stops,
+        pad_token_id=pad,
+    )
+
+
+class HFBatchGenerator:
+    """Left-padded batched `model.generate`."""
+
+    def __init__(
+        self, model: Any, settings: GenerationSettings, stops: list[int], pad_id: int, batch: int
+    ) -> None:
+        self.model, self.pad_id = model, pad_id
+        self.max_batch: int | None = batch
+        self.config = _hf_generation_config(settings, stops, pad_id)
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p) :] = 1
+        device = self.model.device
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids.to(device), attention_mask=attn.to(device), generation_config=self.config
+            )
+        return [row.tolist() for row in out[:, width:].cpu()]
+
+
+def per_prompt_generate(
+    model: Any,
+    prompts: Sequence[list[int]],
+    settings: GenerationSettings,
+    stops: list[int],
+    pad_id: int,
+) -> list[list[int]]:
+    """The baseline: plain HF `generate`, one prompt at a time, no padding, no batching."""
+    import torch
+
+    config = _hf_generation_config(settings, stops, pad_id)
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], dtype=torch.long, device=model.device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+def cut_at_stop(new_ids: list[int], stops: Sequence[int]) -> tuple[list[int], str, int]:
+    """(content ids, finish reason, tokens generated including the stop token)."""
+    stop_set = set(stops)
+    for i, t in enumerate(new_ids):
+        if t in stop_set:
+            return new_ids[:i], "stop", i + 1
+    return new_ids, "length", len(new_ids)
+
+
+def read_done(out_path: Path, settings: GenerationSettings) -> set[str]:
+    """Ids already in the output; drops a partial last line; refuses other settings."""
+    if not out_path.exists():
+        return set()
+    done: set[str] = set()
+    good_end = 0
+    with open(out_path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break  # the last line of a job killed mid-write: dropped below
+            good_end += len(line)
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                gen, rid = rec["generation"], rec["id"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DFlashError(
+                    f"{out_path}: line {lineno} is not a regeneration record ({e}); the file was "
+                    "edited or written by something else: move it aside or pass another --out"
+                ) from e
+            for key in SETTINGS_THAT_MUST_MATCH:
+                if gen.get(key) != getattr(settings, key):
+                    raise DFlashError(
+                        f"{out_path} was generated with {key}={gen.get(key)!r}, this job uses "
+                        f"{key}={getattr(settings, key)!r}; resume with the same settings or "
+                        "write to another --out"
+                    )
+            done.add(rid)
+    if good_end < out_path.stat().st_size:
+        with open(out_path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+@dataclass
+class _State:
+    conv: Conversation
+    users: list[str]
+    messages: list[dict[str, str]]
+    finish_reasons: list[str] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    prompt: list[int] | None = None
+
+
+@dataclass
+class RegenerateReport:
+    written: int = 0
+    already_done: int = 0
+    skipped_prompt_too_long: int = 0
+    truncated_at_prompt_limit: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+class _Writer:
+    def __init__(self, path: Path, settings: GenerationSettings) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by regenerate)
+        self.settings = asdict(settings)
+
+    def write(self, s: _State) -> None:
+        gen = {
+            **self.settings,
+            "finish_reasons": s.finish_reasons,
+            "completion_tokens": s.completion_tokens,
+        }
+        line = json.dumps({"id": s.conv.id, "messages": s.messages, "generation": gen})
+        self.f.write(line + "\n")  # one write per record: a crash leaves at most one partial line
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+
+def regenerate(
+    conversations: Iterable[Conversation],
+    model: Any,
+    tokenizer: Any,
+    out_path: str | Path,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 512,
+    enable_thinking: bool | None = None,
+    batch_size: int = 32,
+    max_prompt_tokens: int | None = None,
+    max_turns: int | None = None,
+    model_name: str | None = None,
+    backend: str = "hf",
+    seed: int = 0,
+    window: int | None = None,
+    progress: bool = True,
+) -> RegenerateReport:
+    """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
+
+    `model` is an HF causal LM (backend "hf") or a `vllm.LLM` (backend "vllm"). A conversation's
+    user turns are answered in order (system turn kept, source answers discarded); with
+    `max_turns` only the first turns are. A prompt over `max_prompt_tokens` ends the
+    conversation there (its first prompt: the record is skipped).
+    """
+    import torch
+
+    out = Path(out_path)
+    name = model_name or str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
+    settings = GenerationSettings(
+        name, temperature, top_p, max_new_tokens, enable_thinking, backend, seed
+    )
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    chat = ChatTemplate.probe(tokenizer, **kwargs)
+    stops = stop_ids(tokenizer, chat, model if backend == "hf" else None)
+    if not stops:
+        raise DFlashError(
+            "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    generator: Generator
+    if backend == "hf":
+        generator = HFBatchGenerator(model, settings, stops, pad_id, batch_size)
+    elif backend == "vllm":
+        from dflash_trainer.data.vllm_backend import VLLMGenerator
+
+        generator = VLLMGenerator(model, settings, stops)
+    else:
+        raise DFlashError(f"unknown backend {backend!r}; use hf or vllm")
+
+    report = RegenerateReport()
+    done = read_done(out, settings)
+    pending: list[Conversation] = []
+    for c in conversations:
+        if c.id in done:
+            report.already_done += 1
+        elif any(m["role"] == "user" for m in c.messages):
+            done.add(c.id)  # also guards against an id given twice in one job
+            pending.append(c)
+    torch.manual_seed(seed)
+    writer, bar = _Writer(out, settings), _progress(len(pending), progress)
+    job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
+    job.t0 = time.perf_counter()
+    step = window or batch_size * 8
+    try:
+        for w in range(0, len(pending), step):
+            job.run_window(pending[w : w + step])
+    finally:
+        job.writer.f.close()
+        job.bar.close()
+    report.seconds = time.perf_counter() - job.t0
+    return report
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="conv", disable=not enabled, smoothing=0.1)
+
+
+@dataclass
+class _Job:
+    chat: ChatTemplate
+    generator: Generator
+    stops: list[int]
+    max_prompt_tokens: int | None
+    max_turns: int | None
+    writer: _Writer
+    report: RegenerateReport
+    bar: Any
+    t0: float
+
+    def start(self, conv: Conversation) -> _State:
+        head = [m for m in conv.messages[:1] if m["role"] == "system"]
+        users = [m["content"] for m in conv.messages if m["role"] == "user"]
+        return _State(conv, users[: self.max_turns] if self.max_turns else users, list(head))
+
+    def run_window(self, convs: list[Conversation]) -> None:
+        """Round r answers turn r of every unfinished conversation, shortest prompts first."""
+        active = [self.start(c) for c in convs]
+        while active:
+            ready = [s for s in active if self._prompt_fits(s)]
+            ready.sort(key=lambda s: len(s.prompt or ()))
+            chunk = self.generator.max_batch or len(ready) or 1
+            active = []
+            for i in range(0, len(ready), chunk):
+                batch = ready[i : i + chunk]
+                outs = self.generator.generate([s.prompt or [] for s in batch])
+                for s, new_ids in zip(batch, outs):
+                    self._answer(s, new_ids)
+                    if s.users:
+                        active.append(s)
+                    else:
+                        self._finish(s)
+                elapsed = time.perf_counter() - self.t0
+                self.bar.set_postfix(tok_s=f"{self.report.new_tokens / max(elapsed, 1e-9):.0f}")
+
+    def _prompt_fits(self, s: _State) -> bool:
+        s.prompt = self.chat.prompt_ids([*s.messages, {"role": "user", "content": s.users[0]}])
+        if self.max_prompt_tokens is None or len(s.prompt) <= self.max_prompt_tokens:
+            return True
+        if s.finish_reasons:  # the history grew too long: keep the turns answered so far
+            self.report.truncated_at_prompt_limit += 1
+            self._finish(s)
+        else:
+            self.report.skipped_prompt_too_long += 1
+            self.bar.update(1)
+        return False
+
+    def _answer(self, s: _State, new_ids: list[int]) -> None:
+        content_ids, reason, n = cut_at_stop(new_ids, self.stops)
+        text = self.chat.tokenizer.decode(content_ids, skip_special_tokens=True)
+        s.messages += [
+            {"role": "user", "content": s.users.pop(0)},
+            {"role": "assistant", "content": text},
+        ]
+        s.finish_reasons.append(reason)
+        s.completion_tokens.append(n)
+        self.report.new_tokens += n
+
+    def _finish(self, s: _State) -> None:
+        self.writer.write(s)
+        self.report.written += 1
+        for r in s.finish_reasons:
+            self.report.finish_reasons[r] = self.report.finish_reasons.get(r, 0) + 1
+        self.bar.update(1)

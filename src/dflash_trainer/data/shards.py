@@ -1,0 +1,250 @@
+"""Tokenized documents on disk: memory-mapped shards, a manifest with checksums, streaming reads.
+
+Layout of a prepared directory (see docs/data.md):
+
+    manifest.json               what, from where, with which tokenizer, counts, checksums
+    stats.txt, lengths.png      human-readable statistics
+    train-00000/tokens.bin      int32 token ids of all documents of the shard, back to back
+    train-00000/mask.bin        uint8 loss mask (1 = supervised), aligned with tokens.bin
+    train-00000/offsets.npy     int64 [docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+    train-00000/doc_ids.npy     bytes [docs]: the stable document ids (sha1 of the content)
+    eval-00000/...
+
+Why raw memmaps and not Arrow/Parquet: the trainer reads single documents at random by index,
+which a memmap serves with no decoding and no dependency (pyarrow is not one of ours); the page
+cache keeps it fast, and nothing is loaded until touched. Why checksums per shard: a shard copied
+to a node with a bad disk or cut short by a full disk is named, not discovered as a NaN loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_trainer.errors import DFlashError
+
+MANIFEST = "manifest.json"
+FORMAT_NAME = "dflash-prepared"
+FORMAT_VERSION = 1
+SHARD_FILES = ("tokens.bin", "mask.bin", "offsets.npy", "doc_ids.npy")
+DEFAULT_SHARD_TOKENS = 64 * 1024 * 1024
+"""64 Mi tokens: 256 MB of ids per shard, few files, still small enough to copy and verify."""
+
+
+@dataclass(frozen=True)
+class Document:
+    input_ids: np.ndarray
+    """int32 [T]"""
+    loss_mask: np.ndarray
+    """bool [T]: True where the token is supervised (assistant content and end of turn)."""
+    doc_id: str
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _OpenShard:
+    """The shard being written: open files, running checksums, offsets and ids."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        self.dir = directory
+        self.tokens = open(directory / "tokens.bin", "wb")  # noqa: SIM115 (closed in finish)
+        self.mask = open(directory / "mask.bin", "wb")  # noqa: SIM115
+        self.sha_tokens = hashlib.sha256()
+        self.sha_mask = hashlib.sha256()
+        self.offsets = [0]
+        self.doc_ids: list[str] = []
+        self.supervised = 0
+
+    def add(self, doc_id: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        ids_b = np.ascontiguousarray(input_ids, dtype="<i4").tobytes()
+        mask_b = np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes()
+        self.tokens.write(ids_b)
+        self.mask.write(mask_b)
+        # Hash while writing: verifying later re-reads the files, writing need not.
+        self.sha_tokens.update(ids_b)
+        self.sha_mask.update(mask_b)
+        self.offsets.append(self.offsets[-1] + len(input_ids))
+        self.doc_ids.append(doc_id)
+        self.supervised += int(loss_mask.sum())
+
+    def finish(self) -> dict[str, Any]:
+        """Close the files; the shard's manifest entry."""
+        self.tokens.close()
+        self.mask.close()
+        np.save(self.dir / "offsets.npy", np.asarray(self.offsets, dtype=np.int64))
+        np.save(self.dir / "doc_ids.npy", np.asarray(self.doc_ids, dtype=np.bytes_))
+        sums = {
+            "tokens.bin": self.sha_tokens.hexdigest(),
+            "mask.bin": self.sha_mask.hexdigest(),
+            "offsets.npy": sha256_file(self.dir / "offsets.npy"),
+            "doc_ids.npy": sha256_file(self.dir / "doc_ids.npy"),
+        }
+        return {
+            "name": self.dir.name,
+            "documents": len(self.doc_ids),
+            "tokens": self.offsets[-1],
+            "supervised_tokens": self.supervised,
+            "files": {
+                f: {"bytes": (self.dir / f).stat().st_size, "sha256": sums[f]} for f in SHARD_FILES
+            },
+        }
+
+
+class ShardWriter:
+    """Appends documents of one split to shards of about `shard_tokens` tokens each."""
+
+    def __init__(self, root: Path, split: str, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> None:
+        self.root, self.split, self.shard_tokens = root, split, shard_tokens
+        self.entries: list[dict[str, Any]] = []
+        self._open: _OpenShard | None = None
+
+    def add(self, doc_id: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        assert input_ids.shape == loss_mask.shape and input_ids.ndim == 1 and len(input_ids)
+        if self._open is None:
+            self._open = _OpenShard(self.root / f"{self.split}-{len(self.entries):05d}")
+        self._open.add(doc_id, input_ids, loss_mask)
+        if self._open.offsets[-1] >= self.shard_tokens:
+            self.entries.append(self._open.finish())
+            self._open = None
+
+    def close(self) -> list[dict[str, Any]]:
+        """Finish the open shard; the manifest entries of all shards of this split."""
+        if self._open is not None:
+            self.entries.append(self._open.finish())
+            self._open = None
+        return self.entries
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    mpath = Path(path) / MANIFEST
+    if not mpath.is_file():
+        raise DFlashError(
+            f"{path} is not a prepared dataset (no {MANIFEST}); create one with "
+            "`dflash data prepare --input ... --out DIR`"
+        )
+    manifest: dict[str, Any] = json.loads(mpath.read_text())
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise DFlashError(
+            f"{mpath}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"this dflash reads {FORMAT_NAME!r} version {FORMAT_VERSION}: prepare the data again"
+        )
+    return manifest
+
+
+class _Shard:
+    """One shard, opened lazily: nothing is mapped until a document of it is read."""
+
+    def __init__(self, root: Path, entry: dict[str, Any]) -> None:
+        self.name: str = entry["name"]
+        self.dir = root / self.name
+        self.entry = entry
+        for f, meta in entry["files"].items():
+            p = self.dir / f
+            if not p.is_file():
+                raise DFlashError(f"shard {self.name}: {f} is missing from {self.dir}")
+            if p.stat().st_size != meta["bytes"]:
+                raise DFlashError(
+                    f"shard {self.name}: {f} has {p.stat().st_size} bytes, the manifest says "
+                    f"{meta['bytes']}: the shard is truncated or replaced; prepare the data again"
+                )
+        self.offsets: np.ndarray = np.load(self.dir / "offsets.npy")
+        self._tokens: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
+        self._doc_ids: np.ndarray | None = None
+
+    def _map(self) -> None:
+        self._tokens = np.memmap(self.dir / "tokens.bin", dtype="<i4", mode="r")
+        # uint8 0/1 viewed as bool: no copy, same bytes.
+        self._mask = np.memmap(self.dir / "mask.bin", dtype=np.uint8, mode="r").view(np.bool_)
+        self._doc_ids = np.load(self.dir / "doc_ids.npy")
+
+    def document(self, j: int) -> Document:
+        if self._tokens is None:
+            self._map()
+        assert self._tokens is not None and self._mask is not None and self._doc_ids is not None
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        # Copies: a document is small, and a writable array avoids torch's read-only warning.
+        return Document(
+            input_ids=np.array(self._tokens[a:b], dtype=np.int32),
+            loss_mask=np.array(self._mask[a:b], dtype=np.bool_),
+            doc_id=self._doc_ids[j].decode(),
+        )
+
+    def supervised_counts(self) -> np.ndarray:
+        if self._mask is None:
+            self._map()
+        assert self._mask is not None
+        if len(self.offsets) == 1:
+            return np.zeros(0, dtype=np.int64)
+        sums = np.add.reduceat(self._mask.view(np.uint8).astype(np.int64), self.offsets[:-1])
+        # reduceat gives the element itself for empty segments; documents are never empty.
+        return np.asarray(sums, dtype=np.int64)
+
+
+class PreparedDataset:
+    """Documents of one split of a prepared directory, read on demand from memory maps."""
+
+    def __init__(self, path: str | Path, split: str = "train") -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        splits = self.manifest["splits"]
+        if split not in splits:
+            raise DFlashError(f"{self.path} has no split {split!r}; it has {sorted(splits)}")
+        self.split = split
+        self._shards = [_Shard(self.path, e) for e in splits[split]["shards"]]
+        counts = [len(s.offsets) - 1 for s in self._shards]
+        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.lengths: np.ndarray = (
+            np.concatenate([np.diff(s.offsets) for s in self._shards])
+            if self._shards
+            else np.zeros(0, dtype=np.int64)
+        )
+        """int64 [N]: tokens per document, for token-budget batching without reading tokens."""
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> Document:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"document {i} out of range for {n} documents")
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self._shards[k].document(i - int(self._starts[k]))
+
+    def iter_documents(self) -> Iterator[Document]:
+        for shard in self._shards:
+            for j in range(len(shard.offsets) - 1):
+                yield shard.document(j)
+
+    def supervised_counts(self) -> np.ndarray:
+        """int64 [N]: supervised tokens per document."""
+        if not self._shards:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([s.supervised_counts() for s in self._shards])
+
+    def verify(self) -> None:
+        """Recompute every shard file's sha256; raise DFlashError naming the first bad shard."""
+        for shard in self._shards:
+            for f, meta in shard.entry["files"].items():
+                got = sha256_file(shard.dir / f)
+                if got != meta["sha256"]:
+                    raise DFlashError(
+                        f"shard {shard.name} of {self.path}: {f} fails its checksum (sha256 "
+                        f"{got[:12]}..., manifest {meta['sha256'][:12]}...): the file is "
+                        "corrupted; prepare the data again (or copy the shard again)"
+                    )
