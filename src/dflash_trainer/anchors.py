@@ -79,11 +79,13 @@ def sample_anchors(
     block_size: int,
     generator: torch.Generator | None = None,
     pad_to: int | None = None,
+    pad_multiple: int = 1,
 ) -> Anchors:
     """Uniform sample (without replacement) of up to max_anchors eligible anchors, sorted.
 
     Sorting keeps anchors of one document adjacent, which keeps the attention mask
-    block-sparse. `pad_to` pads N with inert rows (fixed shapes for torch.compile).
+    block-sparse. `pad_to` pads N with inert rows (fixed shapes for torch.compile);
+    `pad_multiple` pads N up to a multiple (FlexAttention needs N*B % 128 == 0).
     """
     cpu = pack.to("cpu")
     eligible = torch.nonzero(eligible_anchors(cpu), as_tuple=False).flatten()
@@ -92,6 +94,7 @@ def sample_anchors(
         eligible = eligible[pick].sort().values
     n_real = int(eligible.numel())
     n = n_real if pad_to is None else max(pad_to, n_real)
+    n = -(-max(n, 1) // pad_multiple) * pad_multiple
     if pad_to is not None and n_real > pad_to:
         raise ValueError(f"{n_real} anchors do not fit pad_to={pad_to}")
 

@@ -327,6 +327,8 @@ class RunConfig:
     """Checkpoint location if not <output_dir>/checkpoints (e.g. s3://bucket/run)."""
     name: str | None = None
     """Human name of the run (defaults to the output dir name)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for a remote checkpoint_dir (e.g. endpoint_url, key, secret for s3://)."""
 
 
 @dataclass(frozen=True)

@@ -119,10 +119,14 @@ def fused_linear_loss(
     if lm_head_weight_VH.requires_grad:
         raise ValueError("the target lm_head is frozen: pass lm_head.weight.detach()")
     want_grad = torch.is_grad_enabled() and hidden_RH.requires_grad
-    th = target_hidden_RH.to(hidden_RH.dtype) if target_hidden_RH is not None else None
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _FusedLinearLoss.apply(
-        hidden_RH, lm_head_weight_VH.to(hidden_RH.dtype), labels_R, th, chunk_rows, want_grad
-    )
+    # Compute in the lm_head's dtype: casting the [R, H] rows is cheap, casting a
+    # bf16 [V, H] head to fp32 would copy gigabytes. Logits are upcast per chunk.
+    w = lm_head_weight_VH
+    th = target_hidden_RH.to(w.dtype) if target_hidden_RH is not None else None
+    with torch.autocast(hidden_RH.device.type, enabled=False):
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _FusedLinearLoss.apply(
+            hidden_RH.to(w.dtype), w, labels_R, th, chunk_rows, want_grad
+        )
     return out
 
 
@@ -257,6 +261,7 @@ def dflash_loss(
     )
     metrics["mean_loss"] = row_loss.detach().mean() if rows.numel() else torch.zeros((), device=dev)
     metrics["valid_slots"] = valid_NB.sum()
+    metrics["weight_sum"] = denom
     return LossResult(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
 
 

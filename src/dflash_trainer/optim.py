@@ -1,0 +1,48 @@
+"""AdamW with fp32 master weights and state, linear warmup then cosine.
+
+The drafter's parameters stay fp32 (they are the master weights); compute runs under
+bf16 autocast, so there is no separate master copy to keep in sync. Weight decay
+skips norms (1-D tensors), as is standard for transformer blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dflash_trainer.config import TrainingConfig
+
+
+def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.AdamW:
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = all(p.is_cuda for p in decay + no_decay) and len(decay) > 0
+    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=1e-8, fused=fused or None)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    opt: torch.optim.Optimizer, t: TrainingConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = math.ceil(t.warmup_ratio * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total_steps, warmup, t.min_lr_ratio)
+    )

@@ -1,0 +1,131 @@
+"""The run directory: resolved config, provenance, metrics (JSONL + TensorBoard).
+
+Every run directory says exactly what ran: `config.yaml` (resolved, re-loadable),
+`run_info.json` (argv, package versions, git SHA, host, start time) and
+`metrics.jsonl`, one JSON object per logged step, the format `dflash plot` and
+`dflash plan --calibrate` read.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_trainer.config import Config, config_to_dict
+
+
+def git_sha() -> str | None:
+    """SHA of the dflash-trainer checkout this code runs from (None outside git)."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    if out.returncode != 0 or not sha:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    ).stdout.strip()
+    return sha + ("-dirty" if dirty else "")
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("dflash-trainer", "torch", "transformers", "triton", "safetensors", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    info = {
+        "argv": argv if argv is not None else sys.argv,
+        "versions": package_versions(),
+        "git_sha": git_sha(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path = run_dir / "run_info.json"
+    history = []
+    if path.is_file():
+        old = json.loads(path.read_text())
+        history = [*old.get("history", []), {k: v for k, v in old.items() if k != "history"}]
+    info["history"] = history
+    path.write_text(json.dumps(info, indent=2) + "\n")
+
+
+class MetricsLog:
+    """Appends JSON lines (and TensorBoard scalars when tensorboard is installed)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self._tb: Any = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:
+                self._tb = None
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop lines logged after the checkpoint (they will be redone)."""
+        if not self.path.is_file():
+            return
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for key, value in record.items():
+                if isinstance(value, int | float) and key != "step":
+                    self._tb.add_scalar(key, value, step)
+                elif isinstance(value, list) and key.startswith("slot_"):
+                    for k, v in enumerate(value, start=1):
+                        self._tb.add_scalar(f"{key}/{k}", v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

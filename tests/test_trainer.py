@@ -1,0 +1,149 @@
+"""The training loop on CPU: loss falls, exact resume, checkpoints, NaN handling, truncation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from trainer_utils import tiny_config, write_prepared
+
+from dflash_trainer.checkpoint import Checkpointer
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.run_dir import read_metrics
+from dflash_trainer.trainer import Trainer
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+
+
+def test_training_runs_and_loss_falls(tmp_path):
+    data = write_prepared(tmp_path / "count", learnable=True)
+    cfg = tiny_config(
+        tmp_path,
+        data={"train": str(data)},
+        training={
+            "max_steps": 60,
+            "log_every": 10,
+            "checkpoint_every": 100,
+            "labels": "data",
+            "lr": 1e-2,
+            "warmup_ratio": 0.0,
+        },
+    )
+    out = Trainer(cfg, log_to_console=False).train()
+    assert out["step"] == 60
+    recs = read_metrics(cfg.run.output_dir)
+    assert [r["step"] for r in recs] == [10, 20, 30, 40, 50, 60]
+    assert recs[-1]["loss"] < 0.6 * recs[0]["loss"]
+    assert recs[-1]["exact_tau"] > 1.8
+    for key in (
+        "exact_tau",
+        "expected_tau",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "target_time_s",
+        "drafter_time_s",
+        "slot_acc",
+        "accuracy",
+    ):
+        assert key in recs[-1]
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and (run / "run_info.json").is_file()
+    info = json.loads((run / "run_info.json").read_text())
+    assert "torch" in info["versions"] and "argv" in info
+    assert (run / "drafter" / "drafter.safetensors").is_file()
+    assert Checkpointer(str(run / "checkpoints")).latest() == "step_00000060"
+
+
+def test_resume_is_bit_exact(tmp_path):
+    full = tiny_config(tmp_path, run={"output_dir": str(tmp_path / "full")})
+    Trainer(full, log_to_console=False).train()
+    part = tiny_config(tmp_path, run={"output_dir": str(tmp_path / "part")})
+    tr = Trainer(part, log_to_console=False)
+    tr.total_steps = 8
+    # Stop right after the step-4 checkpoint, as a SIGTERM between steps would.
+    tr._stop_signal = None
+    window = []
+    while tr.step < 4:
+        window.append(tr.train_step())
+        if tr.step % 2 == 0:
+            tr._log_window(window)
+            window = []
+    tr.save_checkpoint()
+    tr.metrics.close()
+    # A fresh process-equivalent: new Trainer, resume from the run directory.
+    resumed = Trainer(part, resume=True, log_to_console=False)
+    assert resumed.step == 4
+    resumed.train()
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert [s for s, _ in a] == [s for s, _ in b] == [2, 4, 6, 8]
+    assert a == b  # bit-exact, not approximately equal
+
+
+def test_resume_refuses_another_world_size(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 2, "checkpoint_every": 1})
+    Trainer(cfg, log_to_console=False).train()
+    ck = tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer_state.json"
+    st = json.loads(ck.read_text())
+    st["world_size"] = 2
+    ck.write_text(json.dumps(st))
+    with pytest.raises(DFlashError, match="written by a run with 2 ranks; this run has 1"):
+        Trainer(cfg, resume=True, log_to_console=False)
+
+
+def test_nan_steps_are_skipped_then_stop_the_run(tmp_path):
+    cfg = tiny_config(
+        tmp_path, training={"max_steps": 20, "checkpoint_every": 2, "max_bad_steps": 3}
+    )
+    tr = Trainer(cfg, log_to_console=False)
+    good = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+    for _ in range(2):
+        tr.train_step()
+    tr.save_checkpoint()
+    saved = {k: v.clone() for k, v in tr.drafter.state_dict().items()}
+    assert any(not torch.equal(good[k], saved[k]) for k in good)
+    # Poison the drafter input: every later loss is NaN.
+    tr.drafter.fc.weight.data[0, 0] = math.nan
+    with pytest.raises(DFlashError, match="3 consecutive non-finite steps"):
+        tr.train()
+    assert tr.skipped_total == 3
+    latest = Checkpointer(str(tmp_path / "run" / "checkpoints")).load()
+    assert latest.name == "step_00000002"
+    for k, v in latest.drafter_state.items():
+        assert torch.equal(v, saved[k])
+
+
+def test_long_documents_are_truncated_and_counted(tmp_path):
+    data = write_prepared(tmp_path / "long", n_docs=10, lo=150, hi=200)
+    cfg = tiny_config(
+        tmp_path,
+        data={"train": str(data), "token_budget": 256, "max_doc_tokens": 100},
+        training={"max_steps": 4, "log_every": 4},
+    )
+    Trainer(cfg, log_to_console=False).train()
+    rec = read_metrics(tmp_path / "run")[-1]
+    # Every document is over 100 tokens; 2 fit per 256-token step: 8 truncated in 4 steps.
+    assert rec["truncated_docs"] == 8
+    assert rec["tokens_seen"] == 8 * 100
+
+
+def test_kl_dpace_and_data_labels_paths_train(tmp_path):
+    for i, changes in enumerate(
+        [
+            {"loss": "kl"},
+            {"weighting": "dpace"},
+            {"labels": "data"},
+            {"grad_accum_steps": 2},
+        ]
+    ):
+        cfg = tiny_config(
+            tmp_path,
+            run={"output_dir": str(tmp_path / f"r{i}")},
+            training={"max_steps": 3, "log_every": 3, **changes},
+        )
+        Trainer(cfg, log_to_console=False).train()
+        assert math.isfinite(read_metrics(tmp_path / f"r{i}")[-1]["loss"])
