@@ -128,7 +128,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     import importlib.util
 
     from dflash_trainer.data.formats import read_records
-    from dflash_trainer.data.loading import load_causal_lm, load_tokenizer, resolve_source
+    from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
     from dflash_trainer.data.records import Conversation, ReadReport
     from dflash_trainer.data.regenerate import regenerate
 
@@ -138,7 +138,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         has_vllm = importlib.util.find_spec("vllm") is not None
         backend = "vllm" if has_vllm and device.startswith("cuda") else "hf"
     report = ReadReport(source=args.input)
-    records = read_records(resolve_source(args.input), args.format, report, False, args.max_records)
+    records = read_records(args.input, args.format, report, False, args.max_records)
     convs = [c for c in records if isinstance(c, Conversation)]
     print(report.format(), file=sys.stderr)
     if not convs:

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.data.jsonio import BadValue, iter_source_values
+from dflash_trainer.data.jsonio import BadValue, HFDataset, iter_source_values
+from dflash_trainer.data.loading import resolve_source
 from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
 
 FORMATS = ("auto", "sharegpt", "openai", "prompts", "tokenized", "chatterbot")
@@ -211,13 +212,13 @@ def _renamed(record: Record, new_id: str) -> Record:
 
 
 def read_records(
-    source: Path | str,
+    source: str | Path | HFDataset,
     fmt: str = "auto",
     report: ReadReport | None = None,
     require_assistant: bool = True,
     max_records: int | None = None,
 ) -> Iterator[Record]:
-    """Normalised records of a file, a folder of files or (a str) an HF dataset name.
+    """Normalised records of a file, a folder of files, `asset:<name>` or an HF dataset.
 
     `report` receives every count; `max_records` bounds the records read (kept or skipped,
     damaged regions included). `require_assistant=False` reads prompts for regeneration (the
@@ -226,9 +227,10 @@ def read_records(
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     report = report if report is not None else ReadReport(source=str(source))
+    resolved = resolve_source(source)
     seen_hashes: set[str] = set()
     seen_ids: dict[str, int] = {}
-    for name, value in iter_source_values(source):
+    for name, value in iter_source_values(resolved):
         if max_records is not None and report.records >= max_records:
             return
         if isinstance(value, BadValue):

@@ -18,6 +18,7 @@ import io
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,13 @@ def iter_file_values(path: Path) -> Iterator[Any]:
         yield from iter_json_text(text)
 
 
+@dataclass(frozen=True)
+class HFDataset:
+    """A Hugging Face dataset, `name` or `name:split`."""
+
+    name: str
+
+
 def require_datasets(name: str) -> None:
     if importlib.util.find_spec("datasets") is None:
         raise DFlashError(
@@ -169,11 +177,11 @@ def iter_hf_dataset(name: str) -> Iterator[Any]:
     yield from datasets.load_dataset(repo, split=split or "train", streaming=True)
 
 
-def iter_source_values(source: Path | str) -> Iterator[tuple[str, Any]]:
+def iter_source_values(source: Path | HFDataset) -> Iterator[tuple[str, Any]]:
     """(record name, value) for every value of the source, `BadValue` for undecodable ones."""
-    if isinstance(source, str):
-        for i, row in enumerate(iter_hf_dataset(source)):
-            yield f"{source}:{i}", row
+    if isinstance(source, HFDataset):
+        for i, row in enumerate(iter_hf_dataset(source.name)):
+            yield f"{source.name}:{i}", row
         return
     for path in input_files(source):
         for i, value in enumerate(iter_file_values(path)):

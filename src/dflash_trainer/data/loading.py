@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.assets import AssetNotFound, asset_path
-from dflash_trainer.data.jsonio import require_datasets
+from dflash_trainer.data.jsonio import HFDataset, require_datasets
 from dflash_trainer.errors import DFlashError
 
 
@@ -39,13 +39,16 @@ def split_spec(spec: str | Path) -> tuple[str, str | None]:
     return text, None
 
 
-def resolve_source(spec: str | Path) -> Path | str:
-    """A data source: a local path, or (a str) a Hugging Face dataset name.
+def resolve_source(spec: str | Path | HFDataset) -> Path | HFDataset:
+    """A data source: a local path, or a Hugging Face dataset name.
 
     `asset:<name>` -> the asset's path; `hf:<name>[:split]` -> the dataset name; an existing
     path -> itself; a missing path with a file suffix or a path separator -> an error;
     anything else (`org/name`) is taken as a dataset name.
     """
+    if isinstance(spec, HFDataset):
+        require_datasets(spec.name)
+        return spec
     text = str(spec)
     if text.startswith("asset:"):
         try:
@@ -54,7 +57,7 @@ def resolve_source(spec: str | Path) -> Path | str:
             raise DFlashError(str(e)) from e
     if text.startswith("hf:"):
         require_datasets(text[len("hf:") :])
-        return text[len("hf:") :]
+        return HFDataset(text[len("hf:") :])
     p = Path(text).expanduser()
     if p.exists():
         return p
@@ -62,7 +65,7 @@ def resolve_source(spec: str | Path) -> Path | str:
     if looks_local:
         raise DFlashError(f"input {text} does not exist (for a Hugging Face dataset use hf:NAME)")
     require_datasets(text)  # fail now, not after loading a tokenizer
-    return text
+    return HFDataset(text)
 
 
 def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dflash_trainer.data.formats import Skip, read_records
-from dflash_trainer.data.jsonio import input_files
+from dflash_trainer.data.jsonio import HFDataset, input_files
 from dflash_trainer.data.loading import load_tokenizer, resolve_source
 from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
 from dflash_trainer.data.shards import (
@@ -43,9 +43,9 @@ from dflash_trainer.errors import DFlashError
 SPLITS = ("train", "eval")
 
 
-def _source_identity(resolved: Path | str) -> dict[str, Any]:
-    if isinstance(resolved, str):
-        return {"hf_dataset": resolved}
+def _source_identity(resolved: Path | HFDataset) -> dict[str, Any]:
+    if isinstance(resolved, HFDataset):
+        return {"hf_dataset": resolved.name}
     root = resolved if resolved.is_dir() else resolved.parent
     return {
         "files": [

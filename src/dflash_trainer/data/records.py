@@ -34,7 +34,6 @@ SKIP_REASONS: dict[str, str] = {
     "template_error": "the chat template raised an error on this conversation",
     "mask_mismatch": "the assistant spans found in the render are inconsistent",
     "too_long": "more tokens than the max_tokens limit",
-    "prompt_too_long": "regeneration: the first prompt is over the max_prompt_tokens limit",
 }
 
 REPAIRS: dict[str, str] = {

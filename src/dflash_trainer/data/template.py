@@ -177,7 +177,9 @@ class ChatTemplate:
             except Skip as s:
                 rendered.append(s)
         texts = [r[0] for r in rendered if not isinstance(r, Skip)]
-        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        enc: Any = {"input_ids": [], "offset_mapping": []}
+        if texts:  # transformers fails on an empty batch
+            enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         out: list[TemplatedDoc | Skip] = []
         k = 0
         for r in rendered:
