@@ -1,0 +1,229 @@
+"""Regeneration with a real (tiny, random-weight) Llama: on-policy turns, batching, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_data_support import tiny_llama, tiny_tokenizer
+
+from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.regenerate import (
+    GenerationSettings,
+    cut_at_stop,
+    per_prompt_generate,
+    read_done,
+    regenerate,
+    stop_ids,
+)
+from dflash_trainer.data.template import ChatTemplate
+from dflash_trainer.errors import DFlashError
+
+TESTS = Path(__file__).parent
+
+
+def _convs(n: int, turns: int = 2) -> list[Conversation]:
+    """n conversations of 1..turns turns, a third of them with a system prompt."""
+    out = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for t in range(1 + i % turns):
+            msgs += [
+                {"role": "user", "content": f"question {i}.{t} " + "word " * (i % 5)},
+                {"role": "assistant", "content": "a source answer that must be replaced"},
+            ]
+        out.append(Conversation(f"c{i}", msgs))
+    return out
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    return tiny_llama(len(tok))
+
+
+def _run(convs: list[Conversation], model: Any, tok: Any, out: Path, **kw: Any) -> Any:
+    kw = {"max_new_tokens": 6, "batch_size": 3, "model_name": "tiny", "progress": False} | kw
+    return regenerate(convs, model, tok, out, **kw)
+
+
+def test_turns_are_answered_on_policy_and_batching_changes_nothing(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    convs = _convs(7)
+    out = tmp_path / "regen.jsonl"
+    report = _run(convs, model, tok, out, window=4)
+    records = _lines(out)
+    assert report.written == 7 and sorted(r["id"] for r in records) == sorted(c.id for c in convs)
+    chat = ChatTemplate.probe(tok)
+    settings = GenerationSettings("tiny", max_new_tokens=6)
+    stops = stop_ids(tok, chat, model)
+    by_id = {c.id: c for c in convs}
+    for rec in records:
+        msgs = rec["messages"]
+        src = by_id[rec["id"]].messages
+        assert [m["role"] for m in msgs] == [m["role"] for m in src]
+        assert [m["content"] for m in msgs if m["role"] != "assistant"] == [
+            m["content"] for m in src if m["role"] != "assistant"
+        ]
+        assert len(rec["generation"]["finish_reasons"]) == sum(m["role"] == "user" for m in src)
+        # Every answer is what the model says, one prompt at a time, given the REGENERATED
+        # history before it (the batched, left-padded, length-sorted run changed nothing).
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            assert m["content"] != "a source answer that must be replaced"
+            prompt = chat.prompt_ids(msgs[:i])
+            (new,) = per_prompt_generate(model, [prompt], settings, stops, tok.pad_token_id)
+            content, _, _ = cut_at_stop(new, stops)
+            assert m["content"] == tok.decode(content, skip_special_tokens=True), (rec["id"], i)
+
+
+def test_records_carry_the_settings_and_read_back_as_openai_messages(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    out = tmp_path / "regen.jsonl"
+    _run(_convs(4), model, tok, out, temperature=0.8, top_p=0.9, seed=3, enable_thinking=False)
+    gen = _lines(out)[0]["generation"]
+    assert {k: gen[k] for k in ("model", "temperature", "top_p", "max_new_tokens", "enable_thinking", "seed", "backend")} == {
+        "model": "tiny", "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 6,
+        "enable_thinking": False, "seed": 3, "backend": "hf",
+    }  # fmt: skip
+    assert gen["finish_reasons"] == ["length"] * len(gen["finish_reasons"])
+    assert all(n == 6 for n in gen["completion_tokens"])
+    back = list(read_records(out))
+    assert [c.id for c in back] == [r["id"] for r in _lines(out)]
+
+
+def test_resume_drops_a_partial_last_line_and_never_duplicates(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    convs = _convs(10)
+    out = tmp_path / "regen.jsonl"
+    _run(convs[:4], model, tok, out)
+    first = out.read_text()
+    # A job killed mid-write leaves the start of a record without its newline.
+    partial = json.dumps({"id": convs[4].id, "messages": [], "generation": {}})[:30]
+    out.write_text(first + partial)
+    report = _run(convs, model, tok, out)
+    assert report.already_done == 4 and report.written == 6
+    ids = [r["id"] for r in _lines(out)]
+    assert sorted(ids) == sorted(c.id for c in convs) and len(ids) == len(set(ids))
+    assert out.read_text().startswith(first)  # finished records are never rewritten
+    again = _run(convs, model, tok, out)
+    assert again.written == 0 and again.already_done == 10
+
+
+def test_resume_refuses_other_settings_and_foreign_lines(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    out = tmp_path / "regen.jsonl"
+    _run(_convs(2), model, tok, out)
+    with pytest.raises(DFlashError, match=r"max_new_tokens=6.*max_new_tokens=7"):
+        _run(_convs(3), model, tok, out, max_new_tokens=7)
+    out.write_text(out.read_text() + "not json\n" + out.read_text())
+    with pytest.raises(DFlashError, match="line 3 is not a regeneration record"):
+        read_done(out, GenerationSettings("tiny", max_new_tokens=6))
+
+
+def test_prompt_limit_skips_or_cuts_conversations(tmp_path: Path, model: Any, tok: Any) -> None:
+    chat = ChatTemplate.probe(tok)
+    short = Conversation(
+        "short", [{"role": "user", "content": "hi"}, {"role": "user", "content": "more " * 40}]
+    )
+    long_first = Conversation("long", [{"role": "user", "content": "word " * 80}])
+    limit = len(chat.prompt_ids(short.messages[:1])) + 12  # the first turn fits, the second not
+    out = tmp_path / "regen.jsonl"
+    report = _run([short, long_first], model, tok, out, max_prompt_tokens=limit)
+    assert (report.written, report.skipped_prompt_too_long, report.truncated_at_prompt_limit) == (
+        1,
+        1,
+        1,
+    )
+    (rec,) = _lines(out)
+    assert rec["id"] == "short" and [m["role"] for m in rec["messages"]] == ["user", "assistant"]
+
+
+def test_max_turns_and_stop_tokens(tmp_path: Path, tok: Any) -> None:
+    # All-zero logits: greedy picks id 0, made a stop id through the model's generation config.
+    m = tiny_llama(len(tok), eos_token_id=0)
+    with torch.no_grad():
+        m.lm_head.weight.zero_()
+    out = tmp_path / "regen.jsonl"
+    _run(_convs(3, turns=2), m, tok, out, max_turns=1)
+    for rec in _lines(out):
+        assert rec["generation"]["finish_reasons"] == ["stop"]
+        assert rec["generation"]["completion_tokens"] == [1]
+        assert [x["role"] for x in rec["messages"] if x["role"] != "system"] == [
+            "user",
+            "assistant",
+        ]
+    assert cut_at_stop([5, 6, 2, 7], [2]) == ([5, 6], "stop", 3)
+    assert cut_at_stop([5, 6], [2]) == ([5, 6], "length", 2)
+
+
+_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_data_support import tiny_llama, tiny_tokenizer
+from test_data_regenerate import _convs
+from dflash_trainer.data.regenerate import regenerate
+tok = tiny_tokenizer()
+regenerate(_convs(40), tiny_llama(len(tok)), tok, {out!r}, max_new_tokens=40, batch_size=1,
+           window=1, model_name="tiny", progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_job_resumes_without_loss_or_duplicates(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    out = tmp_path / "regen.jsonl"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(tests=str(TESTS), out=str(out))],
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:
+            if out.exists() and out.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, "the child finished (or died) before it could be killed"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+    done_before = len(read_done(out, GenerationSettings("tiny", max_new_tokens=40)))
+    assert 3 <= done_before < 40
+    report = regenerate(
+        _convs(40),
+        model,
+        tok,
+        out,
+        max_new_tokens=40,
+        batch_size=8,
+        model_name="tiny",
+        progress=False,
+    )
+    assert report.already_done == done_before and report.written == 40 - done_before
+    ids = [r["id"] for r in _lines(out)]
+    assert sorted(ids) == sorted(c.id for c in _convs(40)) and len(set(ids)) == 40
