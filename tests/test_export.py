@@ -444,3 +444,11 @@ def test_export_of_an_export_converts_layouts(tmp_path):
     assert (z / "config.json").read_text() == (z2 / "config.json").read_text()
     a, b = load_file(str(z / WEIGHTS)), load_file(str(z2 / WEIGHTS))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_speculators_export_warns_when_vllm_cannot_find_the_verifier(tmp_path):
+    meta = {"target": {"name_or_path": "asset:not-installed-anywhere"}}
+    run, _ = write_run(tmp_path, tiny_spec(), meta=meta)
+    res = export_drafter(run, tmp_path / "out", "speculators")
+    assert res.report.ok  # a warning: the long-form serve command still works
+    assert any("neither a hub id nor a local path" in p.message for p in res.report.problems)

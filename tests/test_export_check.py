@@ -122,6 +122,11 @@ def test_geometry_that_disagrees_with_the_target_is_reported(exported, tmp_path)
     assert {"hidden_size", "target_hidden_size", "num_target_layers"} <= fields
 
 
+def transpose_k_proj(t: dict) -> None:
+    k = "layers.0.self_attn.k_proj.weight"
+    t[k] = t[k].T.contiguous()  # [kv*d, h] -> [h, kv*d]: same numbers, wrong layout
+
+
 TENSOR_BREAKS = [
     (lambda t: t.update({"embed_tokens.weight": torch.zeros(97, 64)}), "embed_tokens.weight"),
     (lambda t: t.update({"lm_head.weight": torch.zeros(97, 64)}), "lm_head.weight"),
@@ -132,12 +137,7 @@ TENSOR_BREAKS = [
         lambda t: t.update({"layers.2.input_layernorm.weight": torch.ones(64)}),
         "layers.2.input_layernorm.weight",
     ),
-    (
-        lambda t: t.update(
-            {"layers.0.self_attn.k_proj.weight": t["layers.0.self_attn.k_proj.weight"].T.contiguous()}
-        ),
-        "layers.0.self_attn.k_proj.weight",
-    ),
+    (transpose_k_proj, "layers.0.self_attn.k_proj.weight"),
 ]
 
 

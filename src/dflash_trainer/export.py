@@ -27,7 +27,7 @@ import torch
 
 from dflash_trainer.drafter_io import META_FILE, SPEC_FILE, load_drafter, save_drafter_files
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.export_card import model_card, serve_commands
+from dflash_trainer.export_card import hub_id, model_card, serve_commands
 from dflash_trainer.export_check import DTYPES, CheckReport, check_export, read_config
 from dflash_trainer.export_speculators import (
     VERIFIER_TENSORS,
@@ -250,6 +250,12 @@ def export_drafter(
     (out_p / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_p / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), name))
     report = check_export(out_p, t_cfg, special)
+    if fmt == "speculators" and name and not hub_id(name) and not Path(name).exists():
+        report.warn(
+            "speculators_config.verifier.name_or_path",
+            f"{name!r} is neither a hub id nor a local path: `vllm serve DIR` cannot load it",
+            "re-export with --target set to the target's hub id or directory",
+        )
     return ExportResult(out_p, fmt, report, serve_commands(fmt, str(out_p), name, spec))
 
 

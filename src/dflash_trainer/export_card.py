@@ -108,7 +108,8 @@ def model_card(
     lines += ["## Measured acceptance", ""]
     if tau is not None:
         lines += [f"Mean acceptance length tau = {tau} (tokens per target step).", ""]
-        lines += _json_block("Evaluation details", meta.get("eval"))[2:]
+        details = json.dumps(meta.get("eval"), indent=2, sort_keys=True, default=str)
+        lines += ["```json", details, "```", ""]
     else:
         lines += ["Not measured yet: run `dflash eval` on this drafter.", ""]
     lines += ["## Serve", ""]
