@@ -362,7 +362,6 @@ def run_import(args: argparse.Namespace) -> int:
         f"{n_params / 1e6:.1f}M params, target_layer_ids {list(spec.target_layer_ids)}"
     )
     if args.out:
-        meta = dict(meta)
         save_drafter_files(args.out, spec, state, meta)
         print(f"wrote {Path(args.out) / SPEC_FILE} (+ weights, {META_FILE})")
     return 0
