@@ -1,0 +1,437 @@
+"""`dflash eval`: acceptance length, speedup and the lossless check over prompt sets.
+
+What is measured, per prompt set (docs/evaluation.md explains each number):
+- tau (z-lab convention): mean over responses of the per-response mean of (accepted + 1);
+  tau_pooled: (accepted + 1) averaged over all steps of all responses (long responses weigh
+  more). Each MT-Bench turn is one response.
+- histogram of accepted drafts per step (0..B-1) and per-position acceptance
+  P(slot k accepted | slot k reached).
+- decode speedup: target-only TPOT / speculative TPOT, both from `speculative.generate` in
+  this run on the same prompt ids, prefill excluded; decode tokens/s of both.
+- lossless check (temperature 0): speculative tokens == target greedy tokens, with the first
+  differing index and the target's top-2 logit gap there (a gap near 0 is a numerical tie
+  between a B-token and a 1-token forward, not a loop bug).
+
+`evaluate_prompts` is what the trainer calls every eval_every steps; `run` is the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import platform
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_trainer.config import EvalConfig, TargetConfig
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval_report import (
+    build_report,
+    lossless_check,
+    markdown,
+    summarize,
+    write_all,
+    write_json,
+)
+from dflash_trainer.geometry import DrafterSpec
+from dflash_trainer.prompts import Messages
+from dflash_trainer.speculative import (
+    BlockDrafter,
+    DFlashBlockDrafter,
+    Generation,
+    generate,
+    unwrap_module,
+)
+from dflash_trainer.target import FrozenTarget
+
+# ----------------------------------------------------------------------------- the eval loop
+
+
+def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool) -> list[int]:
+    """Chat template with the generation prompt, tokenized without extra special tokens."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """EOS of the tokenizer and of the model's generation config (an int or a list)."""
+    ids: set[int] = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def check_compatible(spec: DrafterSpec, target: FrozenTarget) -> None:
+    """The target must be the one the drafter was trained on (shapes and tapped layers)."""
+    cfg = target.model.config.get_text_config()
+    have = {
+        "hidden_size": int(cfg.hidden_size),
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "vocab_size": int(target.lm_head_weight.shape[0]),
+        "tapped layers": list(target.layer_ids),
+    }
+    want = {
+        "hidden_size": spec.target_hidden_size,
+        "num_hidden_layers": spec.num_target_hidden_layers,
+        "vocab_size": spec.vocab_size,
+        "tapped layers": list(spec.target_layer_ids),
+    }
+    bad = [f"{k}: target {have[k]}, drafter {want[k]}" for k in have if have[k] != want[k]]
+    if bad:
+        raise DFlashError(
+            "the drafter does not fit this target (" + "; ".join(bad) + "); evaluate it with "
+            "the target it was trained for (--target), built with the drafter's target_layer_ids"
+        )
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module | None) -> Iterator[None]:
+    """Eval mode (no feature noise) for the duration; the trainer's mode is restored after."""
+    if module is None:
+        yield
+        return
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def _block_drafter(
+    drafter: nn.Module | BlockDrafter, target: FrozenTarget, block_size: int | None
+) -> tuple[BlockDrafter, nn.Module | None]:
+    if isinstance(drafter, nn.Module):
+        inner = unwrap_module(drafter)
+        spec = inner.spec
+        assert isinstance(spec, DrafterSpec)
+        check_compatible(spec, target)
+        return DFlashBlockDrafter(inner, target, block_size), inner
+    return drafter, None
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def evaluate_prompts(
+    drafter: nn.Module | BlockDrafter,
+    target: FrozenTarget,
+    tokenizer: Any,
+    prompts: Sequence[Messages],
+    eval_cfg: EvalConfig,
+    baseline: bool = False,
+    *,
+    block_size: int | None = None,
+    stop_ids: Sequence[int] | None = None,
+    prompt_ids: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Run the real speculative loop over conversations; measured tau and friends.
+
+    `drafter` is a DFlashDrafter (possibly DDP/compile-wrapped; put in eval mode for the call)
+    or any BlockDrafter. With `baseline`, every turn is also decoded target-only on the same
+    prompt ids: speedup, and at temperature 0 the lossless check. Turns answered in order;
+    each speculative answer is fed back as the assistant turn before the next user turn.
+    Returns flat metrics (tau, tau_pooled, per_position_acceptance, accepted_histogram,
+    decode_tokens_per_s, and with baseline: speedup, lossless_mismatches) plus "responses".
+    """
+    block, module = _block_drafter(drafter, target, block_size)
+    stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
+    greedy = eval_cfg.temperature == 0
+    kw: dict[str, Any] = {
+        "max_new_tokens": eval_cfg.max_new_tokens,
+        "temperature": eval_cfg.temperature,
+        "top_p": eval_cfg.top_p,
+        "stop_ids": stops,
+    }
+    spec_gens: list[Generation] = []
+    base_gens: list[Generation] = []
+    responses: list[dict[str, Any]] = []
+    with _eval_mode(module):
+        for i, conversation in enumerate(prompts):
+            history: Messages = []
+            for j, msg in enumerate(conversation):
+                history.append(dict(msg))
+                answered = j + 1 < len(conversation) and conversation[j + 1]["role"] == "assistant"
+                if msg["role"] != "user" or answered:
+                    continue
+                ids = render_prompt(tokenizer, history, eval_cfg.enable_thinking)
+                # One seed per response: the same turn samples alike in both runs.
+                gen = _generator(target.device, eval_cfg.seed + len(responses))
+                g = generate(target, ids, block, generator=gen, **kw)
+                spec_gens.append(g)
+                rec = _record(g, prompt_ids[i] if prompt_ids is not None else str(i), history)
+                if baseline:
+                    gen = _generator(target.device, eval_cfg.seed + len(responses))
+                    b = generate(target, ids, None, generator=gen, record_margins=greedy, **kw)
+                    base_gens.append(b)
+                    rec["baseline"] = {
+                        "new_tokens": len(b.tokens),
+                        "prefill_s": b.prefill_s,
+                        "decode_s": b.decode_s,
+                    }
+                    if greedy:
+                        rec["lossless"] = lossless_check(g, b)
+                rec["text"] = tokenizer.decode(g.tokens, skip_special_tokens=True)
+                responses.append(rec)
+                history.append({"role": "assistant", "content": rec["text"]})
+    return summarize(responses, spec_gens, base_gens, block.block_size, greedy)
+
+
+def _record(g: Generation, prompt_id: str, history: Messages) -> dict[str, Any]:
+    return {
+        "prompt": prompt_id,
+        "turn": sum(m["role"] == "user" for m in history) - 1,
+        "prompt_tokens": g.prompt_len,
+        "new_tokens": len(g.tokens),
+        "tau": sum(a + 1 for a in g.accepted) / len(g.accepted) if g.accepted else None,
+        "accepted": g.accepted,
+        "stop_reason": g.stop_reason,
+        "prefill_s": g.prefill_s,
+        "decode_s": g.decode_s,
+    }
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass
+class EvalModels:
+    drafter: nn.Module
+    target: FrozenTarget
+    tokenizer: Any
+    identity: dict[str, Any]
+    """What was evaluated: drafter path/format/spec/fingerprint, target source/dtype/shape."""
+
+
+def split_target(name: str) -> tuple[str, str | None]:
+    """`DIR::FILE.gguf` or `path/FILE.gguf` -> (dir, file); anything else -> (name, None)."""
+    if "::" in name:
+        directory, gguf = name.split("::", 1)
+        return directory, gguf
+    if name.endswith(".gguf"):
+        path = Path(name)
+        return str(path.parent), path.name
+    return name, None
+
+
+def read_drafter(path: str) -> tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]:
+    """This project's files (run / checkpoint / drafter dir) or, through `export.import_drafter`
+    when that module is installed, a z-lab or speculators export."""
+    from dflash_trainer.drafter_io import load_drafter
+
+    try:
+        export = importlib.import_module("dflash_trainer.export")
+    except ImportError:
+        return load_drafter(path)
+    result: tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]] = export.import_drafter(
+        path
+    )
+    return result
+
+
+def _fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the weights (sorted names, raw bytes): which drafter, beyond its path."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _target_config(
+    meta: dict[str, Any], target: str | None, dtype: str | None, device: str
+) -> TargetConfig:
+    recorded = meta.get("target") or {}
+    if target is None:
+        if not recorded.get("name_or_path"):
+            raise DFlashError(
+                "the drafter records no target; pass --target NAME_OR_PATH (hub id, local dir, "
+                "asset:<name> or DIR::FILE.gguf)"
+            )
+        name, gguf = recorded["name_or_path"], recorded.get("gguf_file")
+    else:
+        name, gguf = split_target(target)
+    if dtype is None:
+        # bf16 matmuls on CPU are slow and not what a server runs: fp32 there.
+        dtype = "float32" if device == "cpu" else recorded.get("dtype") or "bfloat16"
+    return TargetConfig(name_or_path=name, gguf_file=gguf, dtype=dtype)  # type: ignore[arg-type]
+
+
+def load_eval_models(
+    drafter_path: str,
+    target: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+) -> EvalModels:
+    """Drafter (eval mode, fp32 weights cast to the target dtype), FrozenTarget, tokenizer."""
+    from dflash_trainer.data import load_tokenizer
+    from dflash_trainer.drafter import DFlashDrafter
+    from dflash_trainer.target import load_target_model
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec, state, meta = read_drafter(drafter_path)
+    tcfg = _target_config(meta, target, dtype, torch.device(dev).type)
+    model = load_target_model(tcfg, dev)
+    frozen = FrozenTarget(model, spec.target_layer_ids)
+    check_compatible(spec, frozen)
+    drafter = DFlashDrafter(spec)
+    try:
+        drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    except RuntimeError as e:
+        raise DFlashError(f"{drafter_path}: weights do not match the drafter spec ({e})") from e
+    drafter = drafter.to(device=dev, dtype=model.dtype).eval()
+    tok_spec = f"{tcfg.name_or_path}::{tcfg.gguf_file}" if tcfg.gguf_file else tcfg.name_or_path
+    tokenizer = load_tokenizer(tok_spec)
+    cfg = model.config.get_text_config()
+    identity = {
+        "drafter": {
+            "path": str(drafter_path),
+            "format": (meta.get("source") or {}).get("format", "dflash"),
+            "fingerprint": _fingerprint(state),
+            "spec": spec.to_dict(),
+            "meta": {k: v for k, v in meta.items() if k != "source"},
+        },
+        "target": {
+            "name_or_path": tcfg.name_or_path,
+            "gguf_file": tcfg.gguf_file,
+            "dtype": tcfg.dtype,
+            "class": type(model).__name__,
+            "num_hidden_layers": int(cfg.num_hidden_layers),
+            "hidden_size": int(cfg.hidden_size),
+            "vocab_size": int(cfg.vocab_size),
+        },
+        "environment": _environment(dev),
+    }
+    return EvalModels(drafter, frozen, tokenizer, identity)
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import transformers
+
+    env = {
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return env
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = EvalConfig()
+    p.add_argument(
+        "--drafter", required=True, help="run dir, checkpoint dir, or a z-lab/speculators export"
+    )
+    p.add_argument(
+        "--target",
+        help="target model (default: the one recorded with the drafter); DIR::FILE.gguf for a GGUF",
+    )
+    p.add_argument(
+        "--target-dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="default: float32 on CPU, else the recorded dtype",
+    )
+    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument(
+        "--prompts",
+        default=",".join(d.prompts),
+        help="comma list of gsm8k, mt-bench, humaneval or JSONL files",
+    )
+    p.add_argument(
+        "--max-samples", type=int, default=d.max_samples, help="prompts per set (0 = all)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument(
+        "--temperature", type=float, default=d.temperature, help="0 = greedy + lossless check"
+    )
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed, help="prompt subset and sampling seed")
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="pass enable_thinking=True to the chat template",
+    )
+    p.add_argument(
+        "--block-size", type=int, help="draft fewer slots than the drafter was trained with"
+    )
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the target-only runs (no speedup, no lossless check)",
+    )
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument("--out-dir", help="write eval.json, eval.md and PNG plots here")
+    p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when the lossless check fails")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_trainer.prompts import load_prompt_set, set_label
+
+    cfg = EvalConfig(
+        prompts=tuple(s for s in args.prompts.split(",") if s),
+        max_samples=args.max_samples or None,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        enable_thinking=args.enable_thinking,
+    )
+    sets = [load_prompt_set(name, cfg.max_samples, cfg.seed) for name in cfg.prompts]
+    models = load_eval_models(args.drafter, args.target, args.target_dtype, args.device)
+    results: dict[str, Any] = {}
+    for ps in sets:
+        label = set_label(ps.name)
+        print(f"dflash eval: {label}: {len(ps.prompts)} of {ps.total} prompts", file=sys.stderr)
+        res = evaluate_prompts(
+            models.drafter,
+            models.target,
+            models.tokenizer,
+            [p.messages for p in ps.prompts],
+            cfg,
+            baseline=not args.no_baseline,
+            block_size=args.block_size,
+            prompt_ids=[p.id for p in ps.prompts],
+        )
+        res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
+        results[label] = res
+    report = build_report(results, cfg, models.identity, vars(args))
+    print(markdown(report))
+    if args.json:
+        write_json(report, Path(args.json))
+    if args.out_dir:
+        written = write_all(report, Path(args.out_dir))
+        print(f"dflash eval: wrote {', '.join(str(w) for w in written)}", file=sys.stderr)
+    mismatches = sum(r.get("lossless_mismatches", 0) for r in results.values())
+    if mismatches:
+        print(
+            f"dflash eval: LOSSLESS CHECK FAILED: {mismatches} response(s) differ from the "
+            "target's greedy output (see 'mismatched' in the report; a target_margin near 0 "
+            "is a numerical tie, anything else is a bug)",
+            file=sys.stderr,
+        )
+        return 0 if args.allow_mismatch else 1
+    return 0
