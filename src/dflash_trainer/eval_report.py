@@ -227,14 +227,18 @@ def plot_tau_per_set(report: dict[str, Any], path: Path) -> Path:
         vals = [report["sets"][n].get(key) or 0.0 for n in names]
         ax.bar([i + (j - 0.5) * 0.38 for i in range(len(names))], vals, width=0.38, label=label)
     for i, n in enumerate(names):
-        speedup = report["sets"][n].get("speedup")
+        res = report["sets"][n]
+        speedup = res.get("speedup")
         if speedup:
-            ax.annotate(f"{speedup:.2f}x", (i, 0), xytext=(0, 3), textcoords="offset points",
-                        ha="center", fontsize=8)  # fmt: skip
+            top = max(res.get("tau") or 0.0, res.get("tau_pooled") or 0.0)
+            ax.annotate(f"speedup {speedup:.2f}x", (i, top), xytext=(0, 4),
+                        textcoords="offset points", ha="center", fontsize=8)  # fmt: skip
+    block = max((r.get("block_size") or 1 for r in report["sets"].values()), default=1)
+    ax.set_ylim(0, block * 1.15)  # tau is at most the block size
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("accepted + 1 per step")
-    ax.set_title("Acceptance length per prompt set (label: decode speedup)")
-    ax.legend()
+    ax.set_title("tau per prompt set")
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
