@@ -168,7 +168,9 @@ def evaluate_prompts(
     responses: list[dict[str, Any]] = []
     with _eval_mode(module):
         if warmup and prompts:
-            ids = render_prompt(tokenizer, prompts[0][:1], eval_cfg.enable_thinking)
+            first = prompts[0]
+            upto = next((j for j, m in enumerate(first) if m["role"] == "user"), len(first))
+            ids = render_prompt(tokenizer, first[: upto + 1], eval_cfg.enable_thinking)
             short = {**kw, "max_new_tokens": min(16, eval_cfg.max_new_tokens)}
             for d in (block, None) if baseline else (block,):
                 generate(target, ids, d, generator=_generator(target.device, 0), **short)
