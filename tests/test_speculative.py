@@ -133,7 +133,7 @@ class OracleDrafter:
             wrong = torch.zeros(drafts.shape, dtype=torch.bool)
         else:
             wrong = torch.rand(drafts.shape, generator=self.gen) < float(self.corrupt)
-        return torch.where(wrong, (drafts + 1) % VOCAB, drafts)
+        return torch.where(wrong.to(drafts.device), (drafts + 1) % VOCAB, drafts)
 
 
 def prompt(seed: int, n: int = 12) -> torch.Tensor:

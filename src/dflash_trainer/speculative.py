@@ -363,6 +363,9 @@ def generate(
     sync()
     t0 = time.perf_counter()
     logits, feats = runner.forward(prompt, taps=taps, last_logits_only=True)
+    # Sliding layers keep the whole prompt until a crop trims them to the window; with
+    # transformers 5.17 the next forward's mask does not fit the untrimmed cache.
+    runner.cache.crop_attention(0)
     anchor = sample_tokens(logits[-1:], temperature, top_p, generator)
     if record_margins:
         margins.append(_margin(logits[-1]))
