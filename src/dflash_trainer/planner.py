@@ -1,0 +1,715 @@
+"""`dflash plan`: FLOPs, memory per GPU and time of a run, before it starts.
+
+    predict(cfg, hardware, ...) -> Prediction       importable, used by benchmarks and doctor
+    data_stats(...)             -> DataStats        manifest, PreparedDataset, or flags
+    calibrate(run_dir, ...)     -> Calibration      measured / predicted per side
+
+The pieces, in data-flow order: `workload` (the mean shapes of a step, replayed with
+the trainer's own batching and anchor rules), `flops` (counted from the configs and
+the target's meta-device modules), `memory_model` (a saved-tensor ledger per op),
+`timing` (a roofline per stage), `hardware` (the cards). This module only joins them
+and prints. Efficiency defaults to the one measured ratio (H200 bf16 matmul); a
+finished run's metrics.jsonl scales the target and drafter sides separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.config import Config, ConfigError, load_config
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.flops import (
+    AttentionCount,
+    describe_target,
+    drafter_backward_flops,
+    drafter_forward_flops,
+    drafter_params,
+    loss_flops,
+    target_forward_flops,
+)
+from dflash_trainer.geometry import DrafterSpec, resolve_drafter_spec
+from dflash_trainer.hardware import GB_UNIT, Hardware, get_hardware, hardware_names
+from dflash_trainer.memory_model import Attention, drafter_memory, target_memory
+from dflash_trainer.timing import HOST_OVERHEAD_S, Rates, StageTimes, drafter_times, target_time
+from dflash_trainer.workload import DataStats, StepShape, step_shape
+
+DEFAULT_MEAN_TOKENS = 1024
+DEFAULT_SUPERVISED_FRACTION = 0.5
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured / predicted step-time ratios from a finished run."""
+
+    target_scale: float
+    drafter_scale: float
+    source: str
+    records: int
+    peak_mem_ratio: float | None = None
+    """Measured peak_mem_gb / predicted drafter-GPU peak (reported, not applied)."""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    role: str
+    """target, drafter or colocated (both)."""
+    capacity_gb: float
+    peak_gb: float
+    """Peak allocated bytes (what torch.cuda.max_memory_allocated reports)."""
+    reserve_gb: float
+    breakdown_gb: dict[str, float]
+    unfused_peak_gb: float
+    """The same GPU with compile off (CUDA SDPA math kernel, scores materialised)."""
+
+    @property
+    def headroom_gb(self) -> float:
+        return self.capacity_gb - self.peak_gb - self.reserve_gb
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_gb >= 0
+
+    @property
+    def unfused_fits(self) -> bool:
+        return self.capacity_gb - self.unfused_peak_gb - self.reserve_gb >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(headroom_gb=self.headroom_gb, fits=self.fits, unfused_fits=self.unfused_fits)
+        return d
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Everything `dflash plan` prints; `to_dict()` is the --json output."""
+
+    hardware: Hardware
+    gpus: int
+    placement: str
+    data_parallel: int
+    target_precision: str
+    compile: bool
+    overlap: bool
+    shape: StepShape
+    data: DataStats
+    target_params: int
+    drafter_params: int
+    flops: dict[str, float]
+    """Per step and rank: target, drafter_forward, drafter_backward, loss, and attention variants."""
+    memory: list[GpuPlan]
+    times: StageTimes
+    step_s: float
+    calibration: Calibration | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.data_parallel * self.shape.docs / self.step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.data_parallel * self.shape.target_tokens / self.step_s
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Optimizer steps per epoch (each rank takes one step of its own documents)."""
+        return self.shape.steps_per_epoch / self.data_parallel
+
+    @property
+    def hours_per_epoch(self) -> float | None:
+        if not self.data.documents:
+            return None
+        return self.steps_per_epoch * self.step_s / 3600
+
+    def run_days(self, epochs: float, max_steps: int | None) -> float | None:
+        if max_steps is not None:
+            return max_steps * self.step_s / 86400
+        h = self.hours_per_epoch
+        return None if h is None else epochs * h / 24
+
+    @property
+    def bottleneck(self) -> str:
+        t = self.times
+        misfit = [g.role for g in self.memory if not g.fits]
+        if misfit:
+            return f"memory: does not fit on the {', '.join(misfit)} GPU"
+        parts = {
+            "target forward": t.target,
+            "drafter forward+backward": t.drafter_forward + t.drafter_backward,
+            "lm_head + loss": t.loss,
+            "gradient all-reduce (exposed)": t.allreduce_exposed,
+            "GPU-to-GPU transfer": t.transfer,
+            "optimizer": t.optimizer,
+        }
+        if self.overlap and self.placement == "pairs":
+            drafter_side = t.drafter + t.optimizer
+            side = "target GPU" if t.target + t.host >= drafter_side else "drafter GPU"
+            return f"{side} ({max(parts, key=lambda k: parts[k])} is the largest stage)"
+        return max(parts, key=lambda k: parts[k])
+
+    def to_dict(self, epochs: float = 0.0, max_steps: int | None = None) -> dict[str, Any]:
+        return {
+            "hardware": self.hardware.to_dict(),
+            "gpus": self.gpus,
+            "placement": self.placement,
+            "data_parallel": self.data_parallel,
+            "target_precision": self.target_precision,
+            "compile": self.compile,
+            "overlap": self.overlap,
+            "data": {
+                "documents": self.data.documents,
+                "mean_tokens": self.data.mean_tokens,
+                "supervised_fraction": self.data.supervised_fraction,
+                "source": self.data.source,
+            },
+            "shape": self.shape.to_dict(),
+            "params": {"target": self.target_params, "drafter": self.drafter_params},
+            "flops_per_step": self.flops,
+            "memory": [g.to_dict() for g in self.memory],
+            "times_s": self.times.to_dict(),
+            "step_time_s": self.step_s,
+            "logged_step_time_s": self.times.target
+            + self.times.transfer
+            + self.times.host
+            + self.times.drafter,
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "steps_per_epoch": self.steps_per_epoch,
+            "hours_per_epoch": self.hours_per_epoch,
+            "run_days": self.run_days(epochs, max_steps),
+            "bottleneck": self.bottleneck,
+            "calibration": dataclasses.asdict(self.calibration) if self.calibration else None,
+            "notes": self.notes,
+        }
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def data_stats(
+    cfg: Config,
+    data: str | None = None,
+    samples: int | None = None,
+    mean_tokens: float | None = None,
+    supervised_fraction: float | None = None,
+) -> DataStats:
+    """Dataset statistics: flags, else a prepared dir (--data or data.train), else an assumption."""
+    if (samples is None) != (mean_tokens is None):
+        raise DFlashError("give --samples and --mean-tokens together (or --data PATH)")
+    if samples is not None and mean_tokens is not None:
+        if samples < 1 or mean_tokens < 2:
+            raise DFlashError("--samples must be >= 1 and --mean-tokens >= 2")
+        frac = supervised_fraction or DEFAULT_SUPERVISED_FRACTION
+        return DataStats.uniform(samples, mean_tokens, frac, "--samples/--mean-tokens")
+    path = data or cfg.data.train
+    if path and (Path(path) / "manifest.json").is_file():
+        return _prepared_stats(Path(path), supervised_fraction)
+    if data:
+        raise DFlashError(f"--data {data}: no manifest.json there (a `dflash data prepare` dir)")
+    return DataStats.uniform(
+        0,
+        DEFAULT_MEAN_TOKENS,
+        supervised_fraction or DEFAULT_SUPERVISED_FRACTION,
+        f"assumed: documents of {DEFAULT_MEAN_TOKENS} tokens, dataset size unknown "
+        "(give --data or --samples/--mean-tokens for per-epoch numbers)",
+    )
+
+
+def _prepared_stats(path: Path, supervised_fraction: float | None) -> DataStats:
+    manifest = json.loads((path / "manifest.json").read_text())
+    train = manifest.get("splits", {}).get("train", {})
+    try:
+        from dflash_trainer.data.shards import PreparedDataset
+
+        ds = PreparedDataset(path, "train")
+        lengths = ds.lengths
+        docs = len(ds)
+        tokens = float(lengths.sum())
+        sup = float(ds.supervised_counts().sum())
+    except (DFlashError, ImportError, OSError, KeyError) as e:
+        # Shards unreadable: the manifest's counts still give steps per epoch.
+        docs = int(train.get("documents", 0))
+        tokens = float(train.get("tokens", 0))
+        sup = float(train.get("supervised_tokens", 0))
+        lengths = None
+        if not docs or not tokens:
+            raise DFlashError(f"{path}: cannot read its documents ({e})") from e
+    if not docs:
+        raise DFlashError(f"{path}: the train split has no documents")
+    frac = supervised_fraction or (sup / tokens if tokens and sup else DEFAULT_SUPERVISED_FRACTION)
+    return DataStats(docs, lengths, tokens / docs, frac, f"{path}/manifest.json")
+
+
+# -------------------------------------------------------------------------- predict
+
+
+def _layers_run(cfg: Config, spec: DrafterSpec) -> int:
+    """The target stops after its deepest tap when labels come from the data."""
+    if cfg.training.labels == "data":
+        return max(spec.target_layer_ids) + 1
+    return spec.num_target_hidden_layers
+
+
+def predict(
+    cfg: Config,
+    hardware: Hardware | str = "h200",
+    *,
+    gpus: int = 1,
+    placement: str | None = None,
+    data: DataStats | None = None,
+    target_precision: str | None = None,
+    compile: bool | None = None,
+    overlap: bool = False,
+    calibration: Calibration | None = None,
+    target_hf_config: Any = None,
+) -> Prediction:
+    """Predicted step time (target/drafter split), memory per GPU and throughput."""
+    from dflash_trainer.hf_configs import load_target_config
+
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    placement = placement or cfg.distributed.placement
+    if placement not in ("colocated", "pairs"):
+        raise DFlashError(f"placement {placement!r}: use colocated or pairs")
+    per_rank = 2 if placement == "pairs" else 1
+    if gpus < per_rank or gpus % per_rank:
+        raise DFlashError(f"--gpus {gpus}: placement {placement} needs a multiple of {per_rank}")
+    dp = gpus // per_rank
+    precision = target_precision or "bf16"
+    if precision not in ("bf16", "fp8"):
+        raise DFlashError(f"--target-precision {precision!r}: use bf16 or fp8")
+    fp8 = precision == "fp8"
+    compiled = cfg.training.compile if compile is None else compile
+    compiled = True if compiled is None else compiled  # the trainer's default on CUDA
+
+    hf = target_hf_config if target_hf_config is not None else load_target_config(cfg.target)
+    spec = resolve_drafter_spec(cfg.drafter, hf)
+    tm = describe_target(hf)
+    stats = data or data_stats(cfg)
+    shape = step_shape(stats, cfg, spec, compiled)
+    t = cfg.training
+    bf16 = t.precision == "bf16"
+    tbytes = _BYTES.get(cfg.target.dtype, 2)
+
+    # FLOPs
+    layers_run = _layers_run(cfg, spec)
+    label_rows = shape.rows if (t.labels == "target" and t.loss == "ce") else 0.0
+    tflops = target_forward_flops(tm, shape, layers_run, label_rows)
+    attn_mode: AttentionCount = "tiles" if compiled else "dense"
+    fwd = drafter_forward_flops(spec, shape, attn_mode)
+    bwd = drafter_backward_flops(spec, shape, attn_mode, fused=compiled)
+    lflops = loss_flops(spec, shape.rows, t.loss)
+    flops = {
+        "target": tflops.total(),
+        "drafter_forward": fwd.total(),
+        "drafter_backward": bwd.total(),
+        "loss": lflops.total(),
+    }
+    modes: tuple[AttentionCount, ...] = ("dense", "visible", "tiles")
+    for mode in modes:
+        flops[f"drafter_attention_forward_{mode}"] = drafter_forward_flops(spec, shape, mode).total(
+            "attention"
+        )
+
+    # Memory
+    need_final = t.labels == "target"
+    tmem = target_memory(
+        tm,
+        shape,
+        len(spec.target_layer_ids),
+        fp8,
+        max(cfg.data.token_budget, 2 * cfg.data.doc_limit),
+        need_final,
+    )
+    ddp = dp > 1 and cfg.distributed.data_parallel == "ddp"
+
+    def drafter_side(attention: Attention, lm_head_on_gpu: bool) -> Any:
+        return drafter_memory(
+            spec,
+            shape,
+            bf16=bf16,
+            attention=attention,
+            noise=t.noise_std > 0,
+            loss=t.loss,
+            chunk_rows=t.loss_chunk_rows,
+            ddp=ddp,
+            lm_head_bytes=tbytes,
+            feature_bytes=tbytes,
+            lm_head_on_gpu=lm_head_on_gpu,
+        )
+
+    attention: Attention = "flex" if compiled else "math"
+    memory = _gpu_plans(
+        hw,
+        placement,
+        tmem,
+        drafter_side(attention, placement == "pairs"),
+        drafter_side("math", placement == "pairs"),
+    )
+
+    # Time
+    rates = Rates.of(hw)
+    tsec = target_time(
+        tm, tflops, shape.target_padded_tokens, layers_run, shape.target_micro_batches, rates, fp8
+    )
+    dmem = drafter_side(attention, placement == "pairs")
+    score_bytes = 0.0
+    if not compiled:
+        score_bytes = (
+            4.0 * spec.num_attention_heads * shape.queries * shape.kv_len * spec.num_layers
+        )
+    f_s, l_s, b_s, o_s, ar, ar_exp = drafter_times(
+        fwd,
+        bwd,
+        lflops,
+        dmem.activation_bytes,
+        shape.rows * spec.vocab_size,
+        t.loss,
+        drafter_params(spec),
+        rates,
+        dp,
+        score_bytes,
+    )
+    transfer = 0.0
+    if placement == "pairs":
+        moved = 1.0 * tbytes * shape.ctx_len * spec.num_context_features
+        moved += tbytes * spec.vocab_size * spec.hidden_size  # step.py copies lm_head each step
+        moved += 2.0 * shape.queries * spec.hidden_size
+        transfer = moved / rates.link
+    ts, ds = (calibration.target_scale, calibration.drafter_scale) if calibration else (1.0, 1.0)
+    times = StageTimes(
+        target=tsec * ts,
+        transfer=transfer,
+        drafter_forward=f_s * ds,
+        loss=l_s * ds,
+        drafter_backward=b_s * ds,
+        allreduce=ar,
+        allreduce_exposed=ar_exp * ds,
+        optimizer=o_s,
+        host=HOST_OVERHEAD_S,
+    )
+    do_overlap = overlap and placement == "pairs"
+    notes = list(tm.notes)
+    if placement == "pairs" and not overlap:
+        notes.append(
+            "pairs: the trainer runs the target and drafter stages one after the other; "
+            "--overlap shows the pipelined step"
+        )
+    if placement == "pairs":
+        notes.append(
+            f"pairs: step.py copies the lm_head ({tbytes * spec.vocab_size * spec.hidden_size / 1e9:.2f} GB) "
+            "to the drafter GPU every step; caching it there saves that transfer"
+        )
+    return Prediction(
+        hardware=hw,
+        gpus=gpus,
+        placement=placement,
+        data_parallel=dp,
+        target_precision=precision,
+        compile=compiled,
+        overlap=do_overlap,
+        shape=shape,
+        data=stats,
+        target_params=tm.total_params,
+        drafter_params=drafter_params(spec),
+        flops=flops,
+        memory=memory,
+        times=times,
+        step_s=times.step(do_overlap),
+        calibration=calibration,
+        notes=notes,
+    )
+
+
+def _gpu_plans(
+    hw: Hardware, placement: str, tmem: Any, dmem: Any, dmem_unfused: Any
+) -> list[GpuPlan]:
+    g = GB_UNIT
+    reserve = hw.runtime_reserve_gb
+    if placement == "pairs":
+        target = GpuPlan(
+            "target",
+            hw.memory_gb,
+            tmem.peak / g,
+            reserve,
+            {"weights": tmem.weights / g, "forward + features": tmem.forward_peak / g},
+            tmem.peak / g,
+        )
+        drafter = GpuPlan(
+            "drafter",
+            hw.memory_gb,
+            dmem.peak / g,
+            reserve,
+            _drafter_breakdown(dmem),
+            dmem_unfused.peak / g,
+        )
+        return [target, drafter]
+    # Colocated: weights stay; the target's transient and the drafter's step alternate.
+    both = tmem.weights + max(tmem.forward_peak, dmem.peak)
+    both_unfused = tmem.weights + max(tmem.forward_peak, dmem_unfused.peak)
+    breakdown = {
+        "target weights": tmem.weights / g,
+        "target forward + features": tmem.forward_peak / g,
+    }
+    breakdown.update(_drafter_breakdown(dmem))
+    return [GpuPlan("colocated", hw.memory_gb, both / g, reserve, breakdown, both_unfused / g)]
+
+
+def _drafter_breakdown(dmem: Any) -> dict[str, float]:
+    g = GB_UNIT
+    out = {k: v / g for k, v in dmem.static.items()}
+    out.update({f"input {k}": v / g for k, v in dmem.inputs.items() if v})
+    out["activations (saved)"] = dmem.activation_bytes / g
+    peak_phase = max(dmem.phases, key=lambda k: dmem.phases[k])
+    out[f"peak phase: {peak_phase}"] = dmem.peak / g
+    return out
+
+
+# ------------------------------------------------------------------------- calibrate
+
+
+def calibrate(
+    run_dir: str | Path,
+    hardware: Hardware,
+    gpus: int = 1,
+    placement: str | None = None,
+    data: DataStats | None = None,
+) -> Calibration:
+    """Scale factors from RUN/metrics.jsonl (median over logged steps, the first skipped)."""
+    from dflash_trainer.run_dir import read_metrics
+
+    run = Path(run_dir)
+    records = [r for r in read_metrics(run) if "target_time_s" in r and "drafter_time_s" in r]
+    if not records:
+        raise DFlashError(
+            f"--calibrate {run}: no metrics.jsonl records with target_time_s / drafter_time_s"
+        )
+    if len(records) > 1:
+        records = records[1:]  # the first window includes compilation and warm-up
+    if not (run / "config.yaml").is_file():
+        raise DFlashError(f"--calibrate {run}: no config.yaml (the run's resolved config)")
+    cfg = load_config(config_file=str(run / "config.yaml"))
+    if data is None:
+        prepared = run / "data" / "prepared"
+        data = data_stats(cfg, str(prepared) if (prepared / "manifest.json").is_file() else None)
+    base = predict(cfg, hardware, gpus=gpus, placement=placement, data=data)
+    target_meas = statistics.median(float(r["target_time_s"]) for r in records)
+    drafter_meas = statistics.median(float(r["drafter_time_s"]) for r in records)
+    pred_target = base.times.target + base.times.transfer + base.times.host
+    mem = [float(r["peak_mem_gb"]) for r in records if "peak_mem_gb" in r]
+    ratio = None
+    if mem:
+        drafter_gpu = base.memory[-1]
+        ratio = max(mem) / drafter_gpu.peak_gb
+    return Calibration(
+        target_scale=target_meas / pred_target,
+        drafter_scale=drafter_meas / base.times.drafter,
+        source=str(run),
+        records=len(records),
+        peak_mem_ratio=ratio,
+    )
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """--config / --recipe / --set, shared with `dflash doctor`."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", help="YAML config file")
+    src.add_argument("--recipe", help="bundled recipe name (e.g. qwen3.6-27b)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set training.max_anchors=256 (repeatable)",
+    )
+
+
+def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default="h200", choices=hardware_names())
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the run (default: 1 rank)")
+    p.add_argument("--placement", choices=["colocated", "pairs"], default=None)
+    for flag, what in (
+        ("--memory-gb", "memory per GPU"),
+        ("--bf16-tflops", "dense bf16 peak"),
+        ("--fp8-tflops", "dense FP8 peak"),
+        ("--bandwidth-gbs", "memory bandwidth"),
+        ("--link-gbs", "GPU-to-GPU bandwidth per direction"),
+        ("--efficiency", "achieved / peak matmul rate"),
+    ):
+        p.add_argument(flag, type=float, default=None, help=f"{what} (custom or override)")
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    return get_hardware(
+        args.hardware,
+        memory_gb=args.memory_gb,
+        bf16_tflops=args.bf16_tflops,
+        fp8_tflops=args.fp8_tflops,
+        bandwidth_gbs=args.bandwidth_gbs,
+        link_gbs=args.link_gbs,
+        matmul_efficiency=args.efficiency,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    if not args.config and not args.recipe:
+        raise ConfigError("give --config FILE or --recipe NAME")
+    return load_config(recipe=args.recipe, config_file=args.config, overrides=args.overrides)
+
+
+def default_gpus(placement: str) -> int:
+    return 2 if placement == "pairs" else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    add_hardware_arguments(p)
+    p.add_argument("--data", help="prepared dataset dir (default: data.train if prepared)")
+    p.add_argument("--samples", type=int, help="documents in the training set")
+    p.add_argument("--mean-tokens", type=float, help="mean tokens per document")
+    p.add_argument("--supervised-fraction", type=float, help="fraction of tokens with loss")
+    p.add_argument(
+        "--target-precision",
+        choices=["bf16", "fp8", "both"],
+        default="both",
+        help="target weights/matmuls (default: both side by side)",
+    )
+    p.add_argument("--overlap", action="store_true", help="pairs: pipelined target/drafter step")
+    p.add_argument("--calibrate", metavar="RUN_DIR", help="scale by a finished run's metrics")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    hw = hardware_from_args(args)
+    placement = args.placement or cfg.distributed.placement
+    gpus = args.gpus or default_gpus(placement)
+    stats = data_stats(cfg, args.data, args.samples, args.mean_tokens, args.supervised_fraction)
+    cal = calibrate(args.calibrate, hw, gpus, placement, None) if args.calibrate else None
+    precisions = ["bf16", "fp8"] if args.target_precision == "both" else [args.target_precision]
+    preds = [
+        predict(
+            cfg,
+            hw,
+            gpus=gpus,
+            placement=placement,
+            data=stats,
+            target_precision=p,
+            overlap=args.overlap,
+            calibration=cal,
+        )
+        for p in precisions
+    ]
+    t = cfg.training
+    if args.json:
+        out = {p.target_precision: p.to_dict(t.epochs, t.max_steps) for p in preds}
+        print(json.dumps(out, indent=1, default=_json_default))
+    else:
+        print(format_plan(preds, t.epochs, t.max_steps))
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def _fmt(x: float | None, unit: str = "", digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:,.{digits}f}{unit}"
+
+
+def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -> str:
+    """The readable table: shapes, memory per GPU, time, throughput, bottleneck."""
+    p0 = preds[0]
+    s = p0.shape
+    lines = [
+        f"dflash plan: {p0.hardware.name} x {p0.gpus} ({p0.placement}, data parallel {p0.data_parallel}), "
+        f"compile {'on' if p0.compile else 'off'}",
+        f"  target {p0.target_params / 1e9:.2f}B params, drafter {p0.drafter_params / 1e9:.3f}B params",
+        f"  data: {p0.data.source}; {p0.data.documents:,} documents, mean {p0.data.mean_tokens:,.0f} tokens, "
+        f"{100 * p0.data.supervised_fraction:.0f}% supervised",
+        f"  step: {s.docs:.1f} docs, {s.target_tokens:,.0f} tokens ({s.target_padded_tokens:,.0f} padded in "
+        f"{s.target_micro_batches:.1f} target batches), T={s.ctx_len}, N={s.anchors} anchors, "
+        f"Q={s.queries}, R={s.rows:,.0f} loss rows",
+        "",
+    ]
+    head = f"{'':34}" + "".join(f"{p.target_precision.upper() + ' target':>18}" for p in preds)
+    lines.append(head)
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:34}" + "".join(f"{v:>18}" for v in values))
+
+    row("TFLOP/step target", [_fmt(p.flops["target"] / 1e12, "", 1) for p in preds])
+    row(
+        "TFLOP/step drafter fwd+bwd+loss",
+        [
+            _fmt(
+                (p.flops["drafter_forward"] + p.flops["drafter_backward"] + p.flops["loss"]) / 1e12,
+                "",
+                1,
+            )
+            for p in preds
+        ],
+    )
+    for i, g in enumerate(p0.memory):
+        row(
+            f"memory {g.role} GPU (of {g.capacity_gb:.0f} GB)",
+            [_fmt(p.memory[i].peak_gb, " GB", 1) for p in preds],
+        )
+        row(
+            "  free after runtime reserve", [_fmt(p.memory[i].headroom_gb, " GB", 1) for p in preds]
+        )
+        row(
+            "  compile off (unfused attention)",
+            [_fmt(p.memory[i].unfused_peak_gb, " GB", 1) for p in preds],
+        )
+    row("time target forward", [_fmt(p.times.target, " s", 3) for p in preds])
+    row("time transfer", [_fmt(p.times.transfer, " s", 3) for p in preds])
+    row("time drafter fwd+loss+bwd", [_fmt(p.times.drafter, " s", 3) for p in preds])
+    row("time optimizer + host", [_fmt(p.times.optimizer + p.times.host, " s", 3) for p in preds])
+    row("step time", [_fmt(p.step_s, " s", 3) for p in preds])
+    row("samples/s (all ranks)", [_fmt(p.samples_per_s, "", 1) for p in preds])
+    row("tokens/s (all ranks)", [_fmt(p.tokens_per_s, "", 0) for p in preds])
+    row(
+        "steps per epoch",
+        [_fmt(p.steps_per_epoch if p.data.documents else None, "", 0) for p in preds],
+    )
+    row("hours per epoch", [_fmt(p.hours_per_epoch, " h", 1) for p in preds])
+    label = f"days for {max_steps} steps" if max_steps else f"days for {epochs:g} epochs"
+    row(label, [_fmt(p.run_days(epochs, max_steps), " d", 2) for p in preds])
+    lines.append("")
+    for p in preds:
+        lines.append(f"bottleneck ({p.target_precision}): {p.bottleneck}")
+    hw = p0.hardware
+    lines.append(
+        f"rates: {hw.bf16_tflops:g} TFLOP/s bf16 x {hw.matmul_efficiency:.3f} efficiency, "
+        f"{hw.bandwidth_gbs:g} GB/s x {hw.bandwidth_efficiency:.3f}, link {hw.link_gbs:g} GB/s ({hw.link_kind})"
+    )
+    if p0.calibration:
+        c = p0.calibration
+        lines.append(
+            f"calibrated from {c.source} ({c.records} records): target x{c.target_scale:.2f}, "
+            f"drafter x{c.drafter_scale:.2f}"
+            + (
+                f", measured/predicted peak memory {c.peak_mem_ratio:.2f}"
+                if c.peak_mem_ratio
+                else ""
+            )
+        )
+    for n in p0.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
