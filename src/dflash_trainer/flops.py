@@ -275,10 +275,18 @@ def target_forward_flops(
             )
         elif layer.kind == "linear_attention":
             mm, solve = gdn_flops_per_token_head(target.linear_key_dim, target.linear_value_dim)
-            f.add("linear_attention.scan", tok * target.linear_value_heads * mm, "scan")
-            f.add("linear_attention.solve", tok * target.linear_value_heads * solve, "scan")
+            # Each row is padded to a whole number of chunks.
+            chunked = -(-shape.target_max_len // GDN_CHUNK) * GDN_CHUNK
+            scan_tok = tok * chunked / max(shape.target_max_len, 1.0)
+            heads = target.linear_value_heads
+            f.add("linear_attention.scan", scan_tok * heads * mm, "scan")
+            f.add("linear_attention.solve", scan_tok * heads * solve, "scan")
+            # The causal conv1d computes K-1 extra outputs per row (its padding).
+            conv_tok = tok + shape.docs * (target.conv_kernel - 1)
             f.add(
-                "linear_attention.conv", 2 * tok * target.conv_kernel * layer.conv_channels, "scan"
+                "linear_attention.conv",
+                2 * conv_tok * target.conv_kernel * layer.conv_channels,
+                "scan",
             )
     if lm_head_rows:
         f.add(

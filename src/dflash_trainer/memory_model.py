@@ -201,6 +201,8 @@ def drafter_memory(
         "block_embeddings": float(a * q * h),
         "masks": float(len(set(spec.layer_types)) * q * (t + q)) if attention != "flex" else 0.0,
     }
+    if loss == "kl":
+        inputs["target_hidden_rows"] = float(lm_head_bytes * q * h)
     if lm_head_on_gpu:
         inputs["lm_head"] = float(lm_head_bytes * v * h)
     act = drafter_activations(spec, t, q, r, bf16, attention, noise, lm_head_bytes, feature_bytes)
