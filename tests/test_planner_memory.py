@@ -110,9 +110,11 @@ def measure_step(bf16: bool, attention: str, loss: str, noise: float) -> dict[st
             saved.setdefault(key, _bytes(t))
         return t
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-            step()
+    with (
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t),
+    ):
+        step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
