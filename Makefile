@@ -34,7 +34,7 @@ test: lint typecheck unit
 
 demo: setup
 	$(BIN)/dflash train --recipe smollm2-135m-demo run.output_dir=$(RUN_DIR)
-	$(BIN)/dflash eval --drafter $(RUN_DIR) --prompts gsm8k --max-samples 8 --max-new-tokens 96
+	$(BIN)/dflash eval --drafter $(RUN_DIR) --prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -222,7 +222,10 @@ class DFlashDrafter(nn.Module):
 
     @property
     def drafter_layers(self) -> list[DrafterLayer]:
-        return [m for m in self.layers if isinstance(m, DrafterLayer)]
+        # torch.compile wraps a layer in an OptimizedModule; its original is _orig_mod.
+        out = [getattr(m, "_orig_mod", m) for m in self.layers]
+        assert all(isinstance(m, DrafterLayer) for m in out)
+        return out  # type: ignore[return-value]
 
     @property
     def layer_types(self) -> list[str]:

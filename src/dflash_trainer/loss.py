@@ -197,6 +197,8 @@ def acceptance_metrics(
         "exact_tau": exact_tau,
         "expected_tau": expected_tau,
         "accuracy": ok.sum().float() / valid_k.sum().clamp(min=1).float(),
+        # Averages over steps must weigh by these (a step can have no anchors at all).
+        "anchors": real_N.sum().float(),
     }
 
 

@@ -205,23 +205,3 @@ class FrozenTarget:
         out = self.embed_tokens(ids.to(self.device))
         assert isinstance(out, torch.Tensor)
         return out
-
-    @torch.no_grad()
-    def decode(
-        self, input_ids_1S: torch.Tensor, cache: Any, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Incremental forward (batch 1) with an HF cache: (logits [S, V] fp32, features [S, F]).
-
-        The speculative loop's prefill and verify steps: positions start..start+S-1.
-        """
-        s = input_ids_1S.shape[1]
-        pos = torch.arange(start, start + s, device=self.device)[None]
-        with self.taps() as cap:
-            out = self.model(
-                input_ids=input_ids_1S.to(self.device),
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            feats = self.features_of(cap)
-        return out.logits[0].float(), feats[0]

@@ -17,8 +17,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +55,70 @@ class StepStats:
     truncated: int
 
 
+@dataclass
+class _Staged:
+    """Output of the target stage of one micro-step."""
+
+    index: int
+    units: list[tuple[Any, StepSettings]]
+    truncated: int
+    seconds: float
+
+
+class TargetPrefetcher:
+    """Runs the target stage one micro-step ahead in a single background thread.
+
+    Only this thread ever runs the target (and its Triton/FLA kernels), and it starts
+    after the first step has compiled and autotuned everything on the main thread, so
+    no autotuner or compile cache is ever used by two threads at once (the seed's
+    crash). The data order is the batcher's, so results equal the sequential path.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.queue: queue.Queue[tuple[int, _Staged | BaseException]] = queue.Queue(maxsize=1)
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+
+    def _run(self, index: int, pos: Position) -> None:
+        tr = self.trainer
+        while not self.stop.is_set():
+            try:
+                item: _Staged | BaseException = tr._target_stage(index, pos)
+            except BaseException as e:  # handed to the main thread, which raises it
+                item = e
+            while not self.stop.is_set():
+                try:
+                    self.queue.put((index, item), timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            index += 1
+            pos = tr.batcher.advance(pos)
+
+    def get(self, index: int, pos: Position) -> _Staged:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, args=(index, pos), daemon=True)
+            self.thread.start()
+        got_index, item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        assert got_index == index, f"prefetched micro-step {got_index}, expected {index}"
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            while True:
+                try:
+                    self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            self.thread.join(timeout=60)
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -79,6 +146,7 @@ class Trainer:
         )
         if self.compile:
             D.set_compile_cache(self.run_dir, self.world.rank)
+        self.fixed_shapes = self.compile and t.pack_documents
 
         # 2. target
         self._log(f"loading target {cfg.target.name_or_path} ...")
@@ -91,6 +159,8 @@ class Trainer:
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
         if cfg.drafter.init_from:
             self._init_drafter_from(cfg.drafter.init_from)
+        else:
+            self._init_output_norm()
         self.drafter.to(self.world.drafter_device).train()
 
         # 4. data
@@ -111,6 +181,11 @@ class Trainer:
         # 5. parallelism (compile is lazy, see _attention)
         self.model = D.wrap_data_parallel(self.drafter, cfg.distributed, self.world)
         self._attn_fn: Any = None
+        self._lm_head: torch.Tensor | None = None
+        self._embed_table: torch.Tensor | None = None
+        # pairs: the target stage of the next step runs in one background thread
+        # (started after the warm-up step, see train()), overlapping the drafter step.
+        self.prefetch: TargetPrefetcher | None = None
 
         # 6. optimizer
         self.optimizer = build_optimizer(self.drafter, t)
@@ -125,8 +200,9 @@ class Trainer:
             gamma=t.resolved_gamma(self.spec.block_size),
             dpace_alpha=t.dpace_alpha,
             chunk_rows=t.loss_chunk_rows,
-            fixed_ctx_len=(-(-cfg.data.token_budget // 128) * 128) if self.compile else None,
-            fixed_anchors=self.compile,
+            # Fixed shapes keep torch.compile to one graph; the unpacked baseline varies.
+            fixed_ctx_len=(-(-cfg.data.token_budget // 128) * 128) if self.fixed_shapes else None,
+            fixed_anchors=self.fixed_shapes,
             target_batch_tokens=max(cfg.data.token_budget, 2 * cfg.data.doc_limit),
         )
         self.autocast = (
@@ -160,6 +236,20 @@ class Trainer:
         if self.console:
             print(f"[dflash] {msg}", flush=True)
 
+    def _init_output_norm(self) -> None:
+        """Scale the drafter's final norm so its first logits have unit spread.
+
+        Logits are the target's lm_head applied to norm(h). With a unit norm weight the
+        random first outputs come out as confident as the lm_head's scale allows (SmolLM2:
+        initial CE ~23 against ~11 for uniform), and the first steps are spent only
+        shrinking that scale. With weight c = 1 / (std(lm_head) * sqrt(H)) a random
+        direction gives logits of std ~1: the loss starts near log(V).
+        """
+        w = self.target.lm_head_weight.float()
+        c = 1.0 / (float(w.std()) * math.sqrt(w.shape[1]))
+        with torch.no_grad():
+            self.drafter.norm.weight.fill_(c)
+
     def _init_drafter_from(self, path: str) -> None:
         from dflash_trainer.drafter_io import load_drafter
 
@@ -187,20 +277,34 @@ class Trainer:
         if self._attn_fn is None:
             if self.compile:
                 with D.one_rank_at_a_time(self.world):
-                    self._attn_fn = torch.compile(flex_attention_eager, dynamic=False)
+                    self._attn_fn = torch.compile(
+                        flex_attention_eager, dynamic=False if self.fixed_shapes else None
+                    )
             else:
                 self._attn_fn = sdpa_attention
         return self._attn_fn
 
-    def _seed_micro_step(self, index: int) -> None:
-        """Anchors and noise of micro-step `index` on this rank: a pure function of the seed.
+    def _stream_seed(self, index: int, stream: int) -> int:
+        """Seed of micro-step `index` on this rank for a stream (0 anchors, 1 noise).
 
         Re-seeding per step (instead of carrying RNG state) makes resume exact for any
-        number of ranks and makes every rank's stream independent by construction.
+        number of ranks, makes every rank's stream independent by construction, and lets
+        the target stage run ahead in another thread without touching the noise stream.
         """
         base = (self.cfg.training.seed * 1_000_003 + self.world.rank) * 10_000_019 + index
-        self.anchor_gen.manual_seed(base % (2**63))
-        torch.manual_seed((base * 31 + 7) % (2**63))
+        return (base * 2 + stream) % (2**63)
+
+    def _lm_head_on_drafter(self) -> torch.Tensor:
+        if self._lm_head is None:
+            self._lm_head = self.target.lm_head_weight.to(self.world.drafter_device)
+        return self._lm_head
+
+    def _embed_on_drafter(self, ids: torch.Tensor) -> torch.Tensor:
+        """Block embeddings on the drafter's GPU (a copy of the target's table in pairs)."""
+        if self._embed_table is None:
+            emb = self.target.model.get_input_embeddings().weight.detach()
+            self._embed_table = emb.to(self.world.drafter_device)
+        return self._embed_table[ids.to(self._embed_table.device)]
 
     def _documents(self, pos: Position) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         limit = self.cfg.data.doc_limit
@@ -215,50 +319,83 @@ class Trainer:
 
     # ------------------------------------------------------------------- step
 
-    def train_step(self) -> StepStats:
-        """One optimizer step (grad_accum_steps micro-steps)."""
+    def _target_stage(self, micro_index: int, pos: Position) -> _Staged:
+        """Target forward + anchors + labels of one micro-step (any thread)."""
         t = self.cfg.training
         tdev, ddev = self.world.target_device, self.world.drafter_device
+        self.anchor_gen.manual_seed(self._stream_seed(micro_index, 0))
+        t0 = time.perf_counter()
+        docs, trunc = self._documents(pos)
+        # pack_documents=false is the unpacked baseline: one drafter forward per
+        # document (anchors shared out by length), for benchmarks only.
+        units = [docs] if t.pack_documents else [[d] for d in docs]
+        total_len = sum(int(d[0].numel()) for d in docs)
+        staged = []
+        for unit in units:
+            settings = self.settings
+            if len(units) > 1:
+                share = sum(int(d[0].numel()) for d in unit) / total_len
+                settings = dataclasses.replace(
+                    settings, max_anchors=max(1, round(t.max_anchors * share))
+                )
+            tout = run_target(self.target, unit, settings)
+            staged.append(
+                (prepare_blocks(tout, self.target, settings, self.anchor_gen, ddev), settings)
+            )
+        _sync(tdev)
+        return _Staged(micro_index, staged, trunc, time.perf_counter() - t0)
+
+    def _next_staged(self, micro_index: int) -> _Staged:
+        """The target stage of `micro_index`: computed now, or prefetched (pairs)."""
+        if self.prefetch is None:
+            st = self._target_stage(micro_index, self.position)
+        else:
+            st = self.prefetch.get(micro_index, self.position)
+        self.position = self.batcher.advance(self.position)
+        return st
+
+    def train_step(self) -> StepStats:
+        """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage."""
+        t = self.cfg.training
+        ddev = self.world.drafter_device
         self.optimizer.zero_grad(set_to_none=True)
         target_s = drafter_s = 0.0
         tokens = truncated = 0
         loss_sum = 0.0
         agg: dict[str, torch.Tensor] = {}
         attn = self._attention()
+        lm_head = self._lm_head_on_drafter()
         for micro in range(t.grad_accum_steps):
-            self._seed_micro_step(self.step * t.grad_accum_steps + micro)
-            docs, trunc = self._documents(self.position)
-            self.position = self.batcher.advance(self.position)
-            truncated += trunc
-            t0 = time.perf_counter()
-            tout = run_target(self.target, docs, self.settings)
-            blocks = prepare_blocks(tout, self.target, self.settings, self.anchor_gen, ddev)
-            _sync(tdev)
+            index = self.step * t.grad_accum_steps + micro
+            staged = self._next_staged(index)
+            target_s += staged.seconds
+            truncated += staged.truncated
+            # Noise is drawn on the drafter side only, from its own per-step seed.
+            torch.manual_seed(self._stream_seed(index, 1))
             t1 = time.perf_counter()
-            res = drafter_loss(
-                self.model,
-                blocks,
-                self.target.embed,
-                self.target.lm_head_weight.to(ddev),
-                self.settings,
-                attn_fn=attn,
-                use_flex=self.compile,
-                autocast_dtype=self.autocast,
-            )
-            # Weigh ranks and micro-steps by their supervised slot weight, not equally.
-            local_w = res.metrics["weight_sum"].float()
-            global_w = D.all_reduce_sum(local_w, self.world)
-            scale = self.world.world_size * local_w / global_w.clamp(min=1e-12)
-            loss = res.loss * scale / t.grad_accum_steps
-            loss.backward()
+            div = t.grad_accum_steps * len(staged.units)
+            for blocks, settings in staged.units:
+                res = drafter_loss(
+                    self.model,
+                    blocks,
+                    self._embed_on_drafter,
+                    lm_head,
+                    settings,
+                    attn_fn=attn,
+                    use_flex=self.compile,
+                    autocast_dtype=self.autocast,
+                )
+                # Weigh ranks and micro-steps by their supervised slot weight, not equally.
+                local_w = res.metrics["weight_sum"].float()
+                global_w = D.all_reduce_sum(local_w, self.world)
+                scale = self.world.world_size * local_w / global_w.clamp(min=1e-12)
+                (res.loss * scale / div).backward()
+                tokens += blocks.pack.num_tokens
+                loss_sum += float(res.loss.detach()) / div
+                for k, v in res.metrics.items():
+                    agg[k] = agg.get(k, 0) + v.float() / div
             _sync(ddev)
-            t2 = time.perf_counter()
-            target_s += t1 - t0
-            drafter_s += t2 - t1
-            tokens += blocks.pack.num_tokens
-            loss_sum += float(res.loss.detach()) / t.grad_accum_steps
-            for k, v in res.metrics.items():
-                agg[k] = agg.get(k, 0) + v.float() / t.grad_accum_steps
+            drafter_s += time.perf_counter() - t1
 
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -304,6 +441,9 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 st = self.train_step()
+                if self.cfg.distributed.placement == "pairs" and self.prefetch is None:
+                    # Warm-up done (compile, autotune) on this thread: now overlap.
+                    self.prefetch = TargetPrefetcher(self)
                 window.append(st)
                 bar.update(1)
                 if st.skipped:
@@ -319,6 +459,8 @@ class Trainer:
                     rec = self._log_window(window)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['exact_tau']:.2f}")
                     window = []
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self._in_training_eval()
                 if self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
                     if self.bad_steps == 0:
                         last_ckpt = self.save_checkpoint()
@@ -335,6 +477,8 @@ class Trainer:
             last_ckpt = self.save_checkpoint()
             self._write_final_drafter()
         finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
             bar.close()
             self.metrics.close()
         return {"step": self.step, "stopped": False, "checkpoint": last_ckpt}
@@ -344,6 +488,12 @@ class Trainer:
         n = len(ok)
         dt = sum(s.target_s + s.drafter_s for s in window)
         m = {k: sum(s.metrics[k] for s in ok) / n for k in ok[0].metrics}
+        # tau is per block: weigh each step by its anchors (a step may have none).
+        n_anchors = sum(float(s.metrics["anchors"]) for s in ok)
+        if n_anchors > 0:
+            m["exact_tau"] = (
+                sum(s.metrics["exact_tau"] * s.metrics["anchors"] for s in ok) / n_anchors
+            )
         rec: dict[str, Any] = {
             "step": self.step,
             "epoch": self.position.epoch
@@ -379,6 +529,42 @@ class Trainer:
             )
         return rec
 
+    def _in_training_eval(self) -> dict[str, Any] | None:
+        """The real speculative loop on a few held-out prompts: measured tau, logged.
+
+        Training accuracy can look fine while served acceptance is ~1; this measures
+        the served number every eval_every steps, on rank 0 (others wait in the next
+        collective).
+        """
+        if not self.world.is_main:
+            return None
+        if self.cfg.distributed.data_parallel == "fsdp" and self.world.distributed:
+            self._log("in-training eval skipped: the drafter is FSDP-sharded")
+            return None
+        from dflash_trainer.data.loading import load_tokenizer
+        from dflash_trainer.evaluate import evaluate_prompts
+        from dflash_trainer.prompts import load_prompt_set
+        from dflash_trainer.train_data import tokenizer_spec
+
+        ev = self.cfg.eval
+        if not hasattr(self, "_eval_prompts"):
+            self._tokenizer = load_tokenizer(tokenizer_spec(self.cfg.target))
+            ps = load_prompt_set(ev.prompts[0], max_samples=ev.train_eval_samples, seed=ev.seed)
+            self._eval_prompts = [p.messages for p in ps.prompts]
+        t0 = time.perf_counter()
+        out = evaluate_prompts(self.drafter, self.target, self._tokenizer, self._eval_prompts, ev)
+        rec = {
+            "step": self.step,
+            "eval_set": ev.prompts[0],
+            "eval_tau": float(out["tau"]),
+            "eval_tau_pooled": float(out["tau_pooled"]),
+            "eval_time_s": time.perf_counter() - t0,
+        }
+        self.metrics.write(rec)
+        self._log(f"step {self.step}: measured tau on {ev.prompts[0]} = {rec['eval_tau']:.2f}")
+        self.drafter.train()
+        return rec
+
     # ------------------------------------------------------------ checkpoints
 
     def _meta(self) -> dict[str, Any]:
@@ -402,7 +588,7 @@ class Trainer:
             D.broadcast_object(None, self.world)
             return None
         state = {k: v for k, v in self.drafter.state_dict().items()}
-        # Anchors and noise are re-seeded per step (_seed_micro_step); the generator
+        # Anchors and noise are re-seeded per step (_stream_seed); the generator
         # states are kept for inspection only.
         rng = {"torch_cpu": torch.get_rng_state(), "anchor_gen": self.anchor_gen.get_state()}
         trainer_state = {
