@@ -147,7 +147,7 @@ def measure_step(bf16: bool, attention: str, loss: str, noise: float) -> dict[st
         ddp=False,
         lm_head_bytes=2 if bf16 else 4,
         feature_bytes=2 if bf16 else 4,
-        lm_head_on_gpu=True,
+        target_tables=1,
     )
     static_inputs = sum(mem.static.values()) + sum(mem.inputs.values())
     return {

@@ -187,7 +187,7 @@ def drafter_memory(
     ddp: bool,
     lm_head_bytes: int = 2,
     feature_bytes: int = 2,
-    lm_head_on_gpu: bool = True,
+    target_tables: int = 1,
 ) -> DrafterMemory:
     t, q, r = shape.ctx_len, shape.queries, shape.rows
     h, v = spec.hidden_size, spec.vocab_size
@@ -203,8 +203,9 @@ def drafter_memory(
     }
     if loss == "kl":
         inputs["target_hidden_rows"] = float(lm_head_bytes * q * h)
-    if lm_head_on_gpu:
-        inputs["lm_head"] = float(lm_head_bytes * v * h)
+    if target_tables:
+        # The target's lm_head (and, in pairs, its embedding table) kept on this GPU.
+        inputs["target_tables"] = float(target_tables * lm_head_bytes * v * h)
     act = drafter_activations(spec, t, q, r, bf16, attention, noise, lm_head_bytes, feature_bytes)
     saved = act.total
     base = sum(static.values()) + sum(inputs.values())

@@ -82,7 +82,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default="both",
         help="target weights/matmuls (default: both side by side)",
     )
-    p.add_argument("--overlap", action="store_true", help="pairs: pipelined target/drafter step")
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="pairs: stages one after the other (default: the trainer's prefetch overlap)",
+    )
     p.add_argument("--calibrate", metavar="RUN_DIR", help="scale by a finished run's metrics")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
@@ -103,7 +107,7 @@ def run_plan(args: argparse.Namespace) -> int:
             placement=placement,
             data=stats,
             target_precision=p,
-            overlap=args.overlap,
+            overlap=False if args.no_overlap else None,
             calibration=cal,
         )
         for p in precisions

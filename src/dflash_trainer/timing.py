@@ -12,9 +12,9 @@ norms upcast to fp32, residual adds, SwiGLU, and for the loss about 40 bytes per
 (bf16 logits written, upcast, two log-softmax passes, argmax, exp, the bf16 cast back)
 or 110 for KL (the target's log-probabilities and the KL terms on top).
 
-Pairs placement: the trainer as written runs the target stage, then the drafter stage
-(synchronising between them), so its step is the sum; `overlap=True` gives the
-pipelined step (max of the two) the placement is designed for.
+Pairs placement: the trainer runs the target stage of step i+1 (forward, anchors,
+transfer) in a background thread while the drafter trains step i, so the step is the
+max of the two sides (`overlap`); colocated, they alternate on one GPU and add up.
 """
 
 from __future__ import annotations
@@ -71,11 +71,17 @@ class StageTimes:
         """What the trainer logs as drafter_time_s: forward, loss, backward (+ DDP wait)."""
         return self.drafter_forward + self.loss + self.drafter_backward + self.allreduce_exposed
 
+    @property
+    def target_side(self) -> float:
+        """What the trainer logs as target_time_s: target forward, anchors, transfer."""
+        return self.target + self.host + self.transfer
+
     def step(self, overlap: bool) -> float:
+        """Wall time of a step; `overlap`: the target side runs next to the drafter side."""
         drafter_side = self.drafter + self.optimizer
         if overlap:
-            return max(self.target + self.host, drafter_side) + self.transfer
-        return self.target + self.transfer + self.host + drafter_side
+            return max(self.target_side, drafter_side)
+        return self.target_side + drafter_side
 
     def to_dict(self) -> dict[str, float]:
         d = asdict(self)
