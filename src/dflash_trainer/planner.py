@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,6 +376,8 @@ def predict(
         rates,
         dp,
         score_bytes,
+        num_layers=spec.num_layers,
+        loss_chunks=math.ceil(shape.rows / t.loss_chunk_rows),
     )
     transfer = 0.0
     if placement == "pairs":

@@ -31,6 +31,13 @@ HOST_OVERHEAD_S = 0.02
 """Per step on the host: anchor sampling on the CPU, mask building, Python (assumed)."""
 DDP_BUCKET_BYTES = 25e6
 """DDP's default bucket: the last one cannot overlap with backward."""
+LAUNCH_S = 10e-6
+"""Host time to dispatch one eager op (Python + launch), an assumption. A stage can run
+no faster than its op count times this: what bounds small models (SmolLM2-135M)."""
+TARGET_OPS_PER_LAYER = {"full_attention": 30, "sliding_attention": 30, "linear_attention": 60}
+DRAFTER_OPS_PER_LAYER = 150
+"""Forward (~45 ops: norms, projections, RoPE, attention, MLP) plus backward (~2x)."""
+LOSS_OPS_PER_CHUNK = 30
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,9 @@ def target_time(
     # Norms, residual adds, SwiGLU, rotary/gating, bf16: ~28 H + 6 I bytes per token-layer.
     per_token_layer = 28 * target.hidden_size + 6 * target.intermediate_size
     elementwise = padded_tokens * layers_run * per_token_layer / rates.bandwidth
-    return max(linear, weight_read) + other + elementwise
+    ops = sum(TARGET_OPS_PER_LAYER.get(layer.kind, 40) for layer in target.layers[:layers_run])
+    dispatch = micro_batches * ops * LAUNCH_S
+    return max(max(linear, weight_read) + other + elementwise, dispatch)
 
 
 def drafter_times(
@@ -122,6 +131,8 @@ def drafter_times(
     rates: Rates,
     data_parallel: int,
     unfused_score_bytes: float = 0.0,
+    num_layers: int = 1,
+    loss_chunks: int = 1,
 ) -> tuple[float, float, float, float, float, float]:
     """(forward, loss, backward, optimizer, allreduce, exposed allreduce) seconds."""
     # Elementwise traffic scales with what the forward saves: each saved byte is written
@@ -132,7 +143,11 @@ def drafter_times(
         # The math kernel writes and reads [Hq, Q, KV] fp32 scores: ~3 passes forward, ~5 back.
         forward += 3 * unfused_score_bytes / rates.bandwidth
         backward += 5 * unfused_score_bytes / rates.bandwidth
+    # Dispatch floors: a third of a layer's ops run forward, two thirds backward.
+    forward = max(forward, num_layers * DRAFTER_OPS_PER_LAYER * LAUNCH_S / 3)
+    backward = max(backward, num_layers * DRAFTER_OPS_PER_LAYER * LAUNCH_S * 2 / 3)
     loss_s = loss.total() / rates.bf16 + LOSS_BYTES_PER_LOGIT[loss_kind] * logits / rates.bandwidth
+    loss_s = max(loss_s, loss_chunks * LOSS_OPS_PER_CHUNK * LAUNCH_S)
     # Fused AdamW: read p, g, m, v and write p, m, v (28 B/param); clipping reads and
     # scales the grads (12 B/param).
     optimizer = 40.0 * params / rates.bandwidth
