@@ -173,3 +173,13 @@ def test_cli_table_and_json(capsys):
 def test_cli_rejects_odd_pairs(capsys):
     assert cli.main(["plan", "--recipe", QWEN36, "--gpus", "3", "--placement", "pairs"]) == 2
     assert "multiple of 2" in capsys.readouterr().err
+
+
+def test_grad_accumulation_counts_micro_steps():
+    one = predict(load_config(recipe=QWEN36), "h200", gpus=2, data=SEED_DATA)
+    cfg2 = load_config(recipe=QWEN36, overrides=["training.grad_accum_steps=2"])
+    two = predict(cfg2, "h200", gpus=2, data=SEED_DATA)
+    assert two.times.drafter == pytest.approx(2 * one.times.drafter)
+    assert two.times.optimizer == pytest.approx(one.times.optimizer)
+    assert two.steps_per_epoch == pytest.approx(one.steps_per_epoch / 2)
+    assert two.samples_per_s >= one.samples_per_s  # the optimizer is amortised

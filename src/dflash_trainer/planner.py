@@ -108,20 +108,22 @@ class Prediction:
     times: StageTimes
     step_s: float
     calibration: Calibration | None
+    micro_steps: int = 1
+    """grad_accum_steps: micro-steps (shape) per optimizer step (times, steps)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
-        return self.data_parallel * self.shape.docs / self.step_s
+        return self.data_parallel * self.micro_steps * self.shape.docs / self.step_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.data_parallel * self.shape.target_tokens / self.step_s
+        return self.data_parallel * self.micro_steps * self.shape.target_tokens / self.step_s
 
     @property
     def steps_per_epoch(self) -> float:
-        """Optimizer steps per epoch (each rank takes one step of its own documents)."""
-        return self.shape.steps_per_epoch / self.data_parallel
+        """Optimizer steps per epoch (each rank takes its own micro-steps of documents)."""
+        return self.shape.steps_per_epoch / self.data_parallel / self.micro_steps
 
     @property
     def hours_per_epoch(self) -> float | None:
@@ -387,16 +389,18 @@ def predict(
             moved += tbytes * shape.queries * spec.hidden_size
         transfer = moved / rates.link
     ts, ds = (calibration.target_scale, calibration.drafter_scale) if calibration else (1.0, 1.0)
+    # An optimizer step is grad_accum_steps micro-steps (DDP reduces after each backward).
+    k = t.grad_accum_steps
     times = StageTimes(
-        target=tsec * ts,
-        transfer=transfer * ts,
-        drafter_forward=f_s * ds,
-        loss=l_s * ds,
-        drafter_backward=b_s * ds,
-        allreduce=ar,
-        allreduce_exposed=ar_exp * ds,
+        target=k * tsec * ts,
+        transfer=k * transfer * ts,
+        drafter_forward=k * f_s * ds,
+        loss=k * l_s * ds,
+        drafter_backward=k * b_s * ds,
+        allreduce=k * ar,
+        allreduce_exposed=k * ar_exp * ds,
         optimizer=o_s,
-        host=HOST_OVERHEAD_S * ts,
+        host=k * HOST_OVERHEAD_S * ts,
     )
     # The trainer's pairs placement prefetches the next target stage in a thread.
     do_overlap = placement == "pairs" if overlap is None else overlap and placement == "pairs"
@@ -423,6 +427,7 @@ def predict(
         times=times,
         step_s=times.step(do_overlap),
         calibration=calibration,
+        micro_steps=k,
         notes=notes,
     )
 
