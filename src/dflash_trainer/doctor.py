@@ -352,7 +352,7 @@ def run_doctor(
     use_tokenizer: bool = True,
     env: dict[str, str] | None = None,
 ) -> DoctorReport:
-    """All checks for `cfg`; `data` defaults to data.train when it is a prepared dir."""
+    """All checks for `cfg`; `data` defaults to the prepared data.train (or RUN/data/prepared)."""
     from dflash_trainer.hf_configs import load_target_config
 
     report = DoctorReport()
@@ -377,11 +377,9 @@ def run_doctor(
             tokenizer = _tokenizer(cfg)
         except Exception as e:  # a broken tokenizer must not hide the other checks
             tok_note = f" (tokenizer failed to load: {e})"
-    path = data or (
-        cfg.data.train
-        if cfg.data.train and (Path(cfg.data.train) / "manifest.json").is_file()
-        else None
-    )
+    from dflash_trainer.planner import prepared_dir
+
+    path = data or prepared_dir(cfg)
     sample = None
     if path is not None:
         try:

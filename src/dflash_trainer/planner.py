@@ -208,11 +208,11 @@ def data_stats(
             raise DFlashError("--samples must be >= 1 and --mean-tokens >= 2")
         frac = supervised_fraction or DEFAULT_SUPERVISED_FRACTION
         return DataStats.uniform(samples, mean_tokens, frac, "--samples/--mean-tokens")
-    path = data or cfg.data.train
-    if path and (Path(path) / "manifest.json").is_file():
-        return _prepared_stats(Path(path), supervised_fraction)
-    if data:
+    if data and not (Path(data) / "manifest.json").is_file():
         raise DFlashError(f"--data {data}: no manifest.json there (a `dflash data prepare` dir)")
+    path = Path(data) if data else prepared_dir(cfg)
+    if path is not None:
+        return _prepared_stats(path, supervised_fraction)
     return DataStats.uniform(
         0,
         DEFAULT_MEAN_TOKENS,
@@ -220,6 +220,14 @@ def data_stats(
         f"assumed: documents of {DEFAULT_MEAN_TOKENS} tokens, dataset size unknown "
         "(give --data or --samples/--mean-tokens for per-epoch numbers)",
     )
+
+
+def prepared_dir(cfg: Config) -> Path | None:
+    """data.train when it is prepared, else what the trainer prepared in RUN/data/prepared."""
+    for cand in (cfg.data.train, str(Path(cfg.run.output_dir) / "data" / "prepared")):
+        if cand and (Path(cand) / "manifest.json").is_file():
+            return Path(cand)
+    return None
 
 
 def _prepared_stats(path: Path, supervised_fraction: float | None) -> DataStats:
