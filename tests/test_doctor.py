@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dflash_trainer import cli
 from dflash_trainer.config import load_config
@@ -197,3 +198,30 @@ def test_cli_json(capsys):
     assert cli.main(["doctor", "--recipe", QWEN36, "--json", "--no-tokenizer"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["failed"] is False and len(data["checks"]) > 10
+
+
+def test_init_from_a_drafter_of_another_target_fails(tmp_path):
+    from dflash_trainer.config import TargetConfig
+    from dflash_trainer.drafter import DFlashDrafter
+    from dflash_trainer.drafter_io import save_drafter_files
+    from dflash_trainer.geometry import resolve_drafter_spec
+    from dflash_trainer.hf_configs import load_target_config
+
+    small = load_config(
+        recipe=QWEN36,
+        overrides=[
+            "drafter.num_layers=1",
+            "drafter.intermediate_size=64",
+            "drafter.layer_types=null",
+        ],
+    )
+    spec = resolve_drafter_spec(
+        small.drafter, load_target_config(TargetConfig(name_or_path="Qwen/Qwen3.6-27B"))
+    )
+    # A drafter for the same target with another geometry; spec.json is what the check reads.
+    with torch.device("meta"):
+        model = DFlashDrafter(spec)
+    state = {k: torch.zeros(1) for k in model.state_dict()}
+    d = save_drafter_files(tmp_path / "drafter", spec, state)
+    msg = _failing(_doctor([f"drafter.init_from={d}"]), "geometry.init_from")
+    assert "num_layers: 1 there vs 5 here" in msg and "intermediate_size" in msg

@@ -319,6 +319,52 @@ def check_memory(
     return out
 
 
+# --------------------------------------------------------------------------- init_from
+
+
+def check_init_from(cfg: Config, t: Any) -> list[Check]:
+    """A drafter to start from must match the target's shared dims and this geometry."""
+    path = cfg.drafter.init_from
+    if not path:
+        return []
+    from dflash_trainer.drafter_io import SPEC_FILE, resolve_drafter_dir
+    from dflash_trainer.geometry import DrafterSpec, resolve_drafter_spec
+
+    try:
+        theirs = DrafterSpec.from_dict(
+            json.loads((resolve_drafter_dir(path) / SPEC_FILE).read_text())
+        )
+    except (DFlashError, json.JSONDecodeError, TypeError, KeyError) as e:
+        return [
+            Check(
+                "geometry.init_from",
+                "skip",
+                f"drafter.init_from={path}: no dflash spec.json to compare ({e})",
+                "for z-lab / speculators layouts, `dflash import` it first",
+            )
+        ]
+    try:
+        mine = resolve_drafter_spec(cfg.drafter, t)
+    except ConfigError:
+        return []  # the geometry checks above already fail
+    diffs = {
+        k: (v, getattr(mine, k))
+        for k, v in theirs.to_dict().items()
+        if getattr(mine, k) != (tuple(v) if isinstance(v, list) else v)
+    }
+    if diffs:
+        shown = ", ".join(f"{k}: {a} there vs {b} here" for k, (a, b) in sorted(diffs.items()))
+        return [
+            Check(
+                "geometry.init_from",
+                "fail",
+                f"drafter.init_from={path} differs from this config and target: {shown}",
+                "make the drafter section (and the target) match the drafter you start from",
+            )
+        ]
+    return [Check("geometry.init_from", "pass", f"drafter.init_from={path} matches this config")]
+
+
 # ---------------------------------------------------------------------------- runner
 
 
@@ -370,6 +416,7 @@ def run_doctor(
     )
     report.checks += C.check_geometry(cfg, t)
     report.checks += C.check_layers(cfg, t)
+    report.checks += check_init_from(cfg, t)
 
     tokenizer, tok_note = None, ""
     if use_tokenizer and _local_target(cfg):
