@@ -27,6 +27,7 @@ from dflash_trainer.data.regenerate import (
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="asset:smollm2-135m-instruct")
+    ap.add_argument("--input", default="asset:sharegpt")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -35,7 +36,7 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     model = load_causal_lm(args.model, device="cuda", dtype="bfloat16")
     prompts = []
-    for rec in read_records("asset:sharegpt", require_assistant=False):
+    for rec in read_records(args.input, require_assistant=False):
         first_user = next((m for m in rec.messages if m["role"] == "user"), None)
         if first_user is None:
             continue
