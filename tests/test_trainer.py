@@ -56,6 +56,7 @@ def test_training_runs_and_loss_falls(tmp_path):
     info = json.loads((run / "run_info.json").read_text())
     assert "torch" in info["versions"] and "argv" in info
     assert (run / "drafter" / "drafter.safetensors").is_file()
+    assert (run / "plots" / "loss.png").is_file() and (run / "plots" / "tau.png").is_file()
     assert Checkpointer(str(run / "checkpoints")).latest() == "step_00000060"
 
 
@@ -193,4 +194,7 @@ def test_compiled_training_on_gpu_and_degenerate_pair_match(tmp_path):
     Trainer(b, log_to_console=False).train()
     la, lb = losses(tmp_path / "colo"), losses(tmp_path / "pairs")
     assert len(la) == 6 and all(math.isfinite(x) for _, x in la)
-    assert la == lb
+    # Same data, anchors and noise; cuBLAS handles are per thread and may pick other
+    # algorithms, so equality is to bf16 noise, not bitwise.
+    for (sa, xa), (sb, xb) in zip(la, lb):
+        assert sa == sb and abs(xa - xb) <= 2e-2 * abs(xa), (la, lb)

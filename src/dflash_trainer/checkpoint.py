@@ -39,24 +39,29 @@ COMPLETE = "COMPLETE"
 
 
 def _flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    # Keys are parameter indices (plain optimizers) or names with dots (FSDP full state
+    # dicts): "/" separates them from the state field, and the key kind is recorded.
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    int_keys = all(isinstance(k, int) for k in sd["state"])
     for idx, st in sd["state"].items():
         for key, val in st.items():
             if torch.is_tensor(val):
-                tensors[f"state.{idx}.{key}"] = val.detach().cpu().contiguous()
+                tensors[f"state/{idx}/{key}"] = val.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(idx), {})[key] = val
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "int_keys": int_keys}
+    return tensors, meta
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
+    as_key: Any = int if meta.get("int_keys", True) else str
+    state: dict[Any, dict[str, Any]] = {}
     for name, t in tensors.items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
+        head, key = name.rsplit("/", 1)
+        state.setdefault(as_key(head.split("/", 1)[1]), {})[key] = t
     for idx, vals in meta.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(vals)
+        state.setdefault(as_key(idx), {}).update(vals)
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

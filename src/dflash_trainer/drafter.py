@@ -28,7 +28,7 @@ recomputes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,19 @@ class DrafterMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass(frozen=True)
+class RawContext:
+    """The projected context before a layer's k/v projections (training)."""
+
+    hidden_TH: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+ContextInput = RawContext | tuple[torch.Tensor, torch.Tensor]
+"""RawContext (training) or a layer's cached (K, V) (inference)."""
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, spec: DrafterSpec, layer_idx: int) -> None:
         super().__init__()
@@ -171,13 +184,18 @@ class DrafterLayer(nn.Module):
     def forward(
         self,
         h_QH: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
+        ctx: ContextInput,
         cos_q: torch.Tensor,
         sin_q: torch.Tensor,
         mask: Any,
         attn_fn: AttentionFn,
     ) -> torch.Tensor:
+        # The context's K/V are projected here, inside the layer's own forward, so that
+        # wrappers that gather parameters around forward (FSDP2) see every use.
+        if isinstance(ctx, RawContext):
+            ctx_k, ctx_v = self.self_attn.keys_values(ctx.hidden_TH, ctx.cos, ctx.sin)
+        else:
+            ctx_k, ctx_v = ctx
         x = self.input_layernorm(h_QH)
         h_QH = h_QH + self.self_attn(x, ctx_k, ctx_v, cos_q, sin_q, mask, attn_fn)
         return h_QH + self.mlp(self.post_attention_layernorm(h_QH))
@@ -251,14 +269,14 @@ class DFlashDrafter(nn.Module):
     def run_layers(
         self,
         h_QH: torch.Tensor,
-        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx: Sequence[ContextInput],
         positions_Q: torch.Tensor,
         masks: dict[str, Any],
         attn_fn: AttentionFn,
     ) -> torch.Tensor:
         cos_q, sin_q = self.rotary(positions_Q)
-        for layer, (k, v), kind in zip(self.layers, kv, self.spec.layer_types):
-            h_QH = layer(h_QH, k, v, cos_q, sin_q, masks[kind], attn_fn)
+        for layer, c, kind in zip(self.layers, ctx, self.spec.layer_types):
+            h_QH = layer(h_QH, c, cos_q, sin_q, masks[kind], attn_fn)
         return self.norm(h_QH)
 
     def forward(
@@ -276,8 +294,9 @@ class DFlashDrafter(nn.Module):
         bool [Q, T+Q] mask (sdpa_attention).
         """
         ctx = self.project_context(features_TF)
-        kv = self.context_kv(ctx, ctx_positions_T)
-        return self.run_layers(block_emb_QH, kv, block_positions_Q, masks, attn_fn)
+        cos, sin = self.rotary(ctx_positions_T)
+        raw = [RawContext(ctx, cos, sin)] * len(self.layers)
+        return self.run_layers(block_emb_QH, raw, block_positions_Q, masks, attn_fn)
 
     # ------------------------------------------------------------------ inference
 
@@ -328,7 +347,7 @@ class DFlashDrafter(nn.Module):
         if not cache.keys:
             hkv, d = self.spec.num_key_value_heads, self.spec.head_dim
             empty = block_emb_BH.new_zeros(0, hkv, d)
-            kv = [(empty, empty) for _ in self.layers]
+            kv: list[ContextInput] = [(empty, empty) for _ in self.layers]
         else:
             kv = list(zip(cache.keys, cache.values))
         return self.run_layers(block_emb_BH, kv, positions, masks, sdpa_attention)

@@ -75,16 +75,14 @@ def run(args: argparse.Namespace) -> int:
         return _launch_torchrun(args)
     cfg = resolve_config(args)
     if not args.skip_doctor and not args.resume:
-        from dflash_trainer import doctor
+        from dflash_trainer.doctor import run_doctor
 
-        runner = getattr(doctor, "run_doctor", None)
-        if runner is not None:
-            report = runner(cfg)
-            print(report.format() if hasattr(report, "format") else report)
-            if getattr(report, "failed", False):
-                raise DFlashError(
-                    "the pre-flight checks failed (above); fix them or pass --skip-doctor"
-                )
+        report = run_doctor(cfg)
+        print(report.format())
+        if report.failed:
+            raise DFlashError(
+                "the pre-flight checks failed (above); fix them or pass --skip-doctor"
+            )
     from dflash_trainer.trainer import Trainer
 
     if args.dry_run:
