@@ -26,6 +26,7 @@ from dflash_trainer.anchors import (
     data_labels,
     sample_anchors,
 )
+from dflash_trainer.config import Config
 from dflash_trainer.drafter import DFlashDrafter, sdpa_attention
 from dflash_trainer.geometry import DrafterSpec
 from dflash_trainer.loss import LossResult, dflash_loss
@@ -51,6 +52,29 @@ class StepSettings:
     """Pad anchors to a fixed count (fixed shapes for torch.compile)."""
     target_batch_tokens: int = 16384
     """Padded tokens (rows x longest) per target micro-batch."""
+
+
+def settings_from_config(cfg: Config, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
+    """The step settings of a run (the trainer's, and the planner's replay of it).
+
+    Fixed shapes (pack padded to the budget, anchors to max_anchors) keep torch.compile
+    to one graph; without compile, or for the unpacked baseline, shapes follow the data.
+    """
+    t, d = cfg.training, cfg.data
+    return StepSettings(
+        block_size=cfg.drafter.block_size,
+        mask_token_id=mask_token_id,
+        max_anchors=t.max_anchors,
+        labels=t.labels,
+        loss=t.loss,
+        weighting=t.weighting,
+        gamma=t.resolved_gamma(cfg.drafter.block_size),
+        dpace_alpha=t.dpace_alpha,
+        chunk_rows=t.loss_chunk_rows,
+        fixed_ctx_len=-(-d.token_budget // FLEX_BLOCK) * FLEX_BLOCK if fixed_shapes else None,
+        fixed_anchors=fixed_shapes,
+        target_batch_tokens=max(d.token_budget, 2 * d.doc_limit),
+    )
 
 
 @dataclass

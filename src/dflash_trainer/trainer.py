@@ -39,7 +39,13 @@ from dflash_trainer.geometry import resolve_drafter_spec
 from dflash_trainer.loss import decay_weights
 from dflash_trainer.optim import build_optimizer, build_scheduler
 from dflash_trainer.run_dir import MetricsLog, write_run_files
-from dflash_trainer.step import StepSettings, drafter_loss, prepare_blocks, run_target
+from dflash_trainer.step import (
+    StepSettings,
+    drafter_loss,
+    prepare_blocks,
+    run_target,
+    settings_from_config,
+)
 from dflash_trainer.target import FrozenTarget, load_target_model
 from dflash_trainer.train_data import TrainData, load_train_data
 
@@ -198,21 +204,7 @@ class Trainer:
         # 6. optimizer
         self.optimizer = build_optimizer(self.drafter, t)
         self.scheduler = build_scheduler(self.optimizer, t, self.total_steps)
-        self.settings = StepSettings(
-            block_size=self.spec.block_size,
-            mask_token_id=self.spec.mask_token_id,
-            max_anchors=t.max_anchors,
-            labels=t.labels,
-            loss=t.loss,
-            weighting=t.weighting,
-            gamma=t.resolved_gamma(self.spec.block_size),
-            dpace_alpha=t.dpace_alpha,
-            chunk_rows=t.loss_chunk_rows,
-            # Fixed shapes keep torch.compile to one graph; the unpacked baseline varies.
-            fixed_ctx_len=(-(-cfg.data.token_budget // 128) * 128) if self.fixed_shapes else None,
-            fixed_anchors=self.fixed_shapes,
-            target_batch_tokens=max(cfg.data.token_budget, 2 * cfg.data.doc_limit),
-        )
+        self.settings = settings_from_config(cfg, self.spec.mask_token_id, self.fixed_shapes)
         self.autocast = (
             torch.bfloat16
             if t.precision == "bf16" and self.world.drafter_device.type == "cuda"

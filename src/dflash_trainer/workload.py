@@ -30,7 +30,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.geometry import DrafterSpec
 from dflash_trainer.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.packing import Pack, pack_documents
-from dflash_trainer.step import StepSettings, _micro_batches, anchor_pad
+from dflash_trainer.step import StepSettings, _micro_batches, anchor_pad, settings_from_config
 
 MAX_REPLAY_DOCS = 200_000
 """Replaying more documents changes the averages by less than a percent; cap the cost."""
@@ -116,22 +116,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def step_settings(cfg: Config, compile: bool) -> StepSettings:
-    """The trainer's StepSettings for `cfg` (mirrors Trainer.__init__, section 6)."""
-    t, d = cfg.training, cfg.data
-    return StepSettings(
-        block_size=cfg.drafter.block_size,
-        mask_token_id=0,
-        max_anchors=t.max_anchors,
-        labels=t.labels,
-        loss=t.loss,
-        weighting=t.weighting,
-        gamma=t.resolved_gamma(cfg.drafter.block_size),
-        dpace_alpha=t.dpace_alpha,
-        chunk_rows=t.loss_chunk_rows,
-        fixed_ctx_len=_round_up(d.token_budget, FLEX_BLOCK) if compile else None,
-        fixed_anchors=compile,
-        target_batch_tokens=max(d.token_budget, 2 * d.doc_limit),
-    )
+    """The trainer's StepSettings for `cfg` (the same function the trainer calls)."""
+    return settings_from_config(cfg, 0, compile and cfg.training.pack_documents)
 
 
 def _touched_tiles(lo: np.ndarray, hi: np.ndarray, kv_len: int, tile: int) -> np.ndarray:
