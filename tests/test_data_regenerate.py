@@ -227,3 +227,14 @@ def test_a_killed_job_resumes_without_loss_or_duplicates(
     assert report.already_done == done_before and report.written == 40 - done_before
     ids = [r["id"] for r in _lines(out)]
     assert sorted(ids) == sorted(c.id for c in _convs(40)) and len(set(ids)) == 40
+
+
+def test_compare_throughput_counts_useful_tokens_of_both_paths(model: Any, tok: Any) -> None:
+    from dflash_trainer.data.throughput import compare_throughput
+
+    chat = ChatTemplate.probe(tok)
+    prompts = [chat.prompt_ids(c.messages[:1]) for c in _convs(6)]
+    settings = GenerationSettings("tiny", max_new_tokens=5)
+    r = compare_throughput(prompts, model, tok, settings, batch_size=4, baseline_prompts=2)
+    assert r["batched_tokens"] == 6 * 5 and r["per_prompt_tokens"] == 2 * 5  # no stop: all length
+    assert r["batched_tokens_per_s"] > 0 and r["per_prompt_tokens_per_s"] > 0
