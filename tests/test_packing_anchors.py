@@ -15,7 +15,7 @@ from dflash_trainer.anchors import (
     eligible_anchors,
     sample_anchors,
 )
-from dflash_trainer.packing import pack_documents, unpad_features
+from dflash_trainer.packing import pack_documents
 
 doc_lists = st.lists(
     st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=40),
@@ -131,14 +131,6 @@ def test_block_inputs_and_positions():
     pos = block_position_ids(an)
     assert torch.equal(pos[:, 0], an.anchor_pos_N)
     assert torch.equal(pos[:, 3] - pos[:, 0], torch.full_like(pos[:, 0], 3))
-
-
-def test_unpad_features():
-    padded = torch.arange(2 * 5 * 3, dtype=torch.float32).view(2, 5, 3)
-    out = unpad_features(padded, [2, 4], pad_to=8)
-    assert out.shape == (8, 3)
-    assert torch.equal(out[:2], padded[0, :2]) and torch.equal(out[2:6], padded[1, :4])
-    assert (out[6:] == 0).all()
 
 
 def test_pack_rejects_bad_input():

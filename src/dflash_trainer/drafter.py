@@ -245,10 +245,6 @@ class DFlashDrafter(nn.Module):
         assert all(isinstance(m, DrafterLayer) for m in out)
         return out  # type: ignore[return-value]
 
-    @property
-    def layer_types(self) -> list[str]:
-        return list(self.spec.layer_types)
-
     def project_context(self, features_TF: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(features)), with U(-s, s) noise on the features in training only.
 

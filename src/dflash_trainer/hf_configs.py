@@ -73,15 +73,19 @@ def config_from_dict(d: dict[str, Any]) -> Any:
     return AutoConfig.for_model(model_type, **d)
 
 
+def target_source(tcfg: TargetConfig) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name or None): assets resolved, a .gguf path split."""
+    src = resolve_source(tcfg.name_or_path)
+    if isinstance(src, Path) and src.suffix == ".gguf":
+        return str(src.parent), src.name
+    return str(src), tcfg.gguf_file
+
+
 def load_target_config(tcfg: TargetConfig) -> Any:
     """The target's (text) HF config, with `hf_config_overrides` applied; no weights loaded."""
     from transformers import AutoConfig
 
-    src = resolve_source(tcfg.name_or_path)
-    gguf = tcfg.gguf_file
-    if isinstance(src, Path) and src.suffix == ".gguf":
-        src, gguf = src.parent, src.name
-    name = str(src)
+    name, gguf = target_source(tcfg)
     if name in KNOWN_CONFIGS and not Path(name).exists():
         cfg = config_from_dict(KNOWN_CONFIGS[name])
     else:

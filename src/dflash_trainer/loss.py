@@ -17,7 +17,6 @@ because in bf16 `p_draft - p_target` cancels badly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,7 +264,3 @@ def dflash_loss(
     metrics["valid_slots"] = valid_NB.sum()
     metrics["weight_sum"] = denom
     return LossResult(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
-
-
-def expected_tau_from_acc(acc: list[float]) -> float:
-    return 1.0 + sum(math.prod(acc[: i + 1]) for i in range(len(acc)))

@@ -95,16 +95,3 @@ def pack_documents(
         doc_ids = torch.cat([doc_ids, doc_ids.new_full((pad,), -1)])
         positions = torch.cat([positions, positions.new_zeros(pad)])
     return Pack(ids, mask, doc_ids, positions, starts, lengths)
-
-
-def unpad_features(padded_BLF: torch.Tensor, lengths: Sequence[int], pad_to: int) -> torch.Tensor:
-    """Right-padded batch features -> packed [pad_to, F] in document order, zero padding."""
-    if padded_BLF.shape[0] != len(lengths):
-        raise ValueError(f"{padded_BLF.shape[0]} rows but {len(lengths)} lengths")
-    parts = [padded_BLF[i, : int(n)] for i, n in enumerate(lengths)]
-    out = torch.cat(parts, 0)
-    if out.shape[0] > pad_to:
-        raise ValueError(f"{out.shape[0]} tokens do not fit pad_to={pad_to}")
-    if out.shape[0] < pad_to:
-        out = torch.cat([out, out.new_zeros(pad_to - out.shape[0], out.shape[1])], 0)
-    return out

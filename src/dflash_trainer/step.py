@@ -27,6 +27,7 @@ from dflash_trainer.anchors import (
     sample_anchors,
 )
 from dflash_trainer.config import Config
+from dflash_trainer.distributed import unwrap
 from dflash_trainer.drafter import DFlashDrafter, sdpa_attention
 from dflash_trainer.geometry import DrafterSpec
 from dflash_trainer.loss import LossResult, dflash_loss
@@ -96,10 +97,6 @@ class Blocks:
     block_ids_NB: torch.Tensor
     labels_NB: torch.Tensor | None
     target_hidden_NBH: torch.Tensor | None
-
-    @property
-    def num_supervised(self) -> int:
-        return int(self.anchors.slot_valid_NB.sum())
 
 
 def _micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -226,7 +223,7 @@ def drafter_loss(
     `drafter` may be wrapped (DDP/FSDP): its spec is read from the inner module.
     """
     an = blocks.anchors
-    inner = getattr(drafter, "module", drafter)
+    inner = unwrap(drafter)
     assert isinstance(inner, DFlashDrafter)
     masks = build_masks(blocks, inner.spec, use_flex)
     emb = embed(blocks.block_ids_NB.reshape(-1)).detach()

@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from dflash_trainer.assets import resolve_source
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError
 
@@ -36,19 +34,11 @@ class _StopForward(Exception):
     """Raised by the deepest tap when the rest of the target is not needed."""
 
 
-def _source(tcfg: TargetConfig) -> tuple[str, str | None]:
-    src = resolve_source(tcfg.name_or_path)
-    gguf = tcfg.gguf_file
-    if isinstance(src, Path) and src.suffix == ".gguf":
-        return str(src.parent), src.name
-    return str(src), gguf
-
-
 def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") -> Any:
     """An HF causal LM, frozen and in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.hf_configs import load_target_config
+    from dflash_trainer.hf_configs import load_target_config, target_source
 
     dtype = _DTYPES[tcfg.dtype]
     if tcfg.random_init:
@@ -59,7 +49,7 @@ def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") ->
                 cfg, dtype=dtype, trust_remote_code=tcfg.trust_remote_code
             )
     else:
-        name, gguf = _source(tcfg)
+        name, gguf = target_source(tcfg)
         kw: dict[str, Any] = {
             "dtype": dtype,
             "trust_remote_code": tcfg.trust_remote_code,

@@ -101,5 +101,10 @@ def run(args: argparse.Namespace) -> int:
             f"target {st.target_s:.2f}s + drafter {st.drafter_s:.2f}s, {st.tokens} tokens"
         )
         return 0
-    out = trainer.train()
+    try:
+        out = trainer.train()
+    finally:
+        from dflash_trainer.distributed import shutdown
+
+        shutdown(trainer.world)
     return 0 if out["step"] > 0 else 1
