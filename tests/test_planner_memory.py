@@ -188,3 +188,36 @@ def test_unfused_attention_costs_what_the_seed_measured():
     # Backward: two score-sized fp32 gradients (plus expanded K/V grads).
     assert 2 * one_scores <= bwd <= 2.1 * one_scores
     assert one_scores / 1e9 == pytest.approx(17.85, rel=0.05)
+
+
+def test_fsdp_target_keeps_a_share_of_its_layers_per_gpu():
+    """target_sharding=fsdp: per GPU 1/dp of the layers' linears, the rest whole, plus two
+    all-gathered layers in the forward (the bytes themselves are measured on 2 gloo ranks
+    in tests/test_target_shard.py)."""
+    from dflash_trainer.config import DistributedConfig, load_config
+    from dflash_trainer.errors import DFlashError
+    from dflash_trainer.flops import describe_target
+    from dflash_trainer.hf_configs import load_target_config
+    from dflash_trainer.planner import predict
+    from dflash_trainer.workload import DataStats
+
+    data = DataStats.uniform(902_016, 1500, 0.6, "test")
+    # The recipe's pairs placement is the seed run's; sharding is colocated only.
+    cfg = load_config(recipe="qwen3.6-27b", overrides=["distributed.placement=colocated"])
+    sharded = dataclasses.replace(cfg, distributed=DistributedConfig(target_sharding="fsdp"))
+    tm = describe_target(load_target_config(cfg.target))
+    lin_gb = 2 * tm.decoder_linear_params / 1e9
+    layer_gb = 2 * max(layer.linear_params for layer in tm.layers) / 1e9
+    whole = predict(cfg, "h100", gpus=4, data=data).memory[0]
+    split = predict(sharded, "h100", gpus=4, data=data).memory[0]
+    w, s = whole.breakdown_gb, split.breakdown_gb
+    assert w["target weights"] - s["target weights"] == pytest.approx(0.75 * lin_gb, rel=1e-6)
+    fwd_w, fwd_s = w["target forward + features"], s["target forward + features"]
+    assert fwd_s - fwd_w == pytest.approx(2 * layer_gb, rel=1e-6)
+    # A 27B bf16 target next to its drafter does not fit an 80 GB GPU; a quarter of it does.
+    assert not whole.fits and split.fits
+    # One GPU: nothing to shard over, the same plan as replicate.
+    one = predict(sharded, "h100", gpus=1, data=data).memory[0]
+    assert one.breakdown_gb == predict(cfg, "h100", gpus=1, data=data).memory[0].breakdown_gb
+    with pytest.raises(DFlashError, match="colocated"):
+        predict(sharded, "h100", gpus=4, placement="pairs", data=data)

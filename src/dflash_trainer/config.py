@@ -339,14 +339,24 @@ class DistributedConfig:
     """colocated: target and drafter on each rank's GPU; pairs: target GPU + drafter GPU per rank."""
     data_parallel: Literal["ddp", "fsdp"] = "ddp"
     """How the drafter is replicated over ranks."""
-    target_sharding: Literal["replicate", "device_map"] = "replicate"
-    """Frozen target: one copy per rank, or spread with device_map when it does not fit one GPU."""
+    target_sharding: Literal["replicate", "fsdp", "device_map"] = "replicate"
+    """Frozen target: one copy per rank; fsdp: 1/world of each decoder layer per rank (colocated,
+    torchrun; one rank: as replicate); device_map: one process's target spread over its GPUs."""
     tensor_parallel_size: int = 1
     """Serving TP size to check head divisibility against (doctor only)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             _fail("distributed.tensor_parallel_size", "must be >= 1")
+        if self.target_sharding == "fsdp" and self.placement == "pairs":
+            # pairs runs the target in a background thread while the main thread runs
+            # the drafter's collectives: the two streams of collectives could interleave
+            # differently on different ranks and hang.
+            _fail(
+                "distributed.target_sharding",
+                "fsdp needs placement=colocated (pairs runs the target in a thread beside "
+                "the drafter's collectives); use target_sharding=device_map with pairs",
+            )
 
 
 @dataclass(frozen=True)

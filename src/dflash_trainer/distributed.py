@@ -12,6 +12,11 @@ slot weight, not by rank: each rank scales its loss by world * local / global we
 before DDP's mean, so a rank with few supervised tokens does not count as much as a
 full one.
 
+The frozen target (`distributed.target_sharding`) is replicated by default. `fsdp`
+shards each of its decoder layers over the ranks (FSDP2, all-gathered one layer at a
+time in the forward) for targets too large for one GPU; `device_map` spreads one
+process's target over the GPUs it owns (accelerate), for a single process or pairs.
+
 Each rank compiles into its own Inductor/Triton cache directory, and ranks warm up
 one at a time (a barrier per rank), so no two processes or threads ever write one
 cache or share one autotuner (the seed's crash).
@@ -19,6 +24,7 @@ cache or share one autotuner (the seed's crash).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +46,8 @@ class World:
     local_rank: int = 0
     target_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     drafter_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    target_gpus: tuple[int, ...] = ()
+    """GPUs the target is spread over (target_sharding=device_map only)."""
 
     @property
     def is_main(self) -> bool:
@@ -58,6 +66,13 @@ def init_world(dcfg: DistributedConfig, device: str = "auto") -> World:
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise DFlashError("training.device=cuda but no CUDA device is visible")
+    if dcfg.target_sharding == "device_map" and not use_cuda:
+        raise DFlashError(
+            "distributed.target_sharding=device_map spreads the target over several GPUs, "
+            "but this run has no CUDA device; use distributed.target_sharding=replicate "
+            "(one copy per rank), or fsdp under torchrun to shard it over the ranks"
+        )
+    target_gpus: tuple[int, ...] = ()
     if use_cuda:
         n_gpu = torch.cuda.device_count()
         per_rank = 2 if dcfg.placement == "pairs" else 1
@@ -74,6 +89,8 @@ def init_world(dcfg: DistributedConfig, device: str = "auto") -> World:
                 )
             tdev = torch.device(f"cuda:{first}")
             ddev = torch.device(f"cuda:{first + per_rank - 1}")
+        if dcfg.target_sharding == "device_map":
+            target_gpus = _device_map_gpus(dcfg, world_size, first, per_rank, n_gpu)
         torch.cuda.set_device(ddev)
     else:
         if device.startswith("cuda"):
@@ -82,7 +99,88 @@ def init_world(dcfg: DistributedConfig, device: str = "auto") -> World:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend=backend, device_id=ddev if use_cuda else None)
-    return World(rank, world_size, local_rank, tdev, ddev)
+    return World(rank, world_size, local_rank, tdev, ddev, target_gpus)
+
+
+def _device_map_gpus(
+    dcfg: DistributedConfig, world_size: int, first: int, per_rank: int, n_gpu: int
+) -> tuple[int, ...]:
+    """The GPUs this rank owns: every visible one for a single process, else its own."""
+    gpus = tuple(range(n_gpu)) if world_size == 1 else tuple(range(first, first + per_rank))
+    if len(gpus) < 2:
+        raise DFlashError(
+            f"distributed.target_sharding=device_map: this rank owns {len(gpus)} GPU "
+            f"(placement={dcfg.placement}, {world_size} rank(s), {n_gpu} visible), nothing "
+            "to spread the target over; use target_sharding=fsdp under torchrun (shards it "
+            "over the ranks), or one process with several visible GPUs"
+        )
+    return gpus
+
+
+# Share of each GPU's memory the target's weights may take under device_map: headroom
+# for its no-grad forward (one layer's activations) and the CUDA context; on the
+# drafter's own GPU half, the rest being the drafter step's.
+_DEVICE_MAP_SHARE = 0.9
+_DEVICE_MAP_DRAFTER_SHARE = 0.5
+
+
+def target_max_memory(dcfg: DistributedConfig, world: World) -> dict[int, int] | None:
+    """device_map: bytes of target weights allowed per GPU; None when not spreading."""
+    if dcfg.target_sharding != "device_map":
+        return None
+    assert world.target_gpus, "init_world sets target_gpus for device_map"
+    out = {}
+    for i in world.target_gpus:
+        share = _DEVICE_MAP_DRAFTER_SHARE if i == world.drafter_device.index else _DEVICE_MAP_SHARE
+        out[i] = int(share * torch.cuda.get_device_properties(i).total_memory)
+    return out
+
+
+def target_load_device(dcfg: DistributedConfig, world: World) -> torch.device:
+    """Where the target is loaded: on the host when it is sharded next, so no GPU ever
+    holds it whole (fully_shard moves one layer at a time and keeps 1/world of it)."""
+    if dcfg.target_sharding == "fsdp" and world.distributed:
+        return torch.device("cpu")
+    return world.target_device
+
+
+def apply_target_sharding(model: nn.Module, dcfg: DistributedConfig, world: World) -> bool:
+    """target_sharding=fsdp: each rank keeps 1/world of every decoder layer of the target.
+
+    In this order: the parts kept whole go to the target device; `fully_shard` each
+    decoder layer with reshard_after_forward=True (a layer is all-gathered just before
+    it runs and freed right after, so about two whole layers are resident at once);
+    then `fully_shard` the decoder, the module the forward enters, as the FSDP root
+    that orders the layers' all-gathers.
+
+    Kept whole on every rank: the embeddings, the final norm and lm_head (and anything
+    else outside the layers). The drafter reads the full embedding table and lm_head
+    every step (block embeddings, the loss), so each rank needs a whole copy anyway:
+    sharding them would only add an all-gather per use, or a gathered copy of the same
+    size. With one rank there is nothing to shard over: the target stays whole, as with
+    replicate. Returns whether it was sharded.
+    """
+    if dcfg.target_sharding != "fsdp" or not world.distributed:
+        return False
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dflash_trainer.target import decoder_layers, decoder_of
+
+    layers = decoder_layers(model)
+    decoder = decoder_of(model)
+    in_layers = {id(t) for t in itertools.chain(layers.parameters(), layers.buffers())}
+    whole = [p for p in model.parameters() if id(p) not in in_layers]
+    for t in itertools.chain(whole, model.buffers()):
+        if id(t) not in in_layers:
+            t.data = t.data.to(world.target_device)
+    # An explicit mesh on the target's device type: FSDP's default follows the visible
+    # accelerator, a CUDA mesh even for a CPU (gloo) run on a machine with a GPU.
+    mesh = init_device_mesh(world.target_device.type, (world.world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(decoder, mesh=mesh, reshard_after_forward=True, ignored_params=set(whole))
+    return True
 
 
 def set_compile_cache(run_dir: Path, rank: int) -> Path:

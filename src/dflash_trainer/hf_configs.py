@@ -18,6 +18,25 @@ from dflash_trainer.errors import DFlashError
 _QWEN36_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 16
 
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    # The GGUF asset's own config (asset:smollm2-135m-instruct): with random_init it gives
+    # a same-shaped target on a machine without the asset (timing runs, plan, doctor).
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    },
     "Qwen/Qwen3-8B": {
         "model_type": "qwen3",
         "hidden_size": 4096,

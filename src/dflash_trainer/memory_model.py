@@ -263,11 +263,22 @@ def target_memory(
     fp8: bool,
     micro_tokens: int,
     need_final: bool,
+    shards: int = 1,
 ) -> TargetMemory:
-    """Frozen target: weights (FP8 linears keep bf16 embeddings/norms) and no-grad forward."""
+    """Frozen target: weights (FP8 linears keep bf16 embeddings/norms) and no-grad forward.
+
+    shards > 1 (target_sharding=fsdp): each GPU keeps 1/shards of the decoder layers'
+    linears, the embeddings, norms and lm_head whole (distributed.apply_target_sharding),
+    and the forward holds two all-gathered layers: the one running and the next one
+    being gathered.
+    """
+    lin_bytes = 1 if fp8 else 2
     lin = target.decoder_linear_params
     other = target.total_params - lin
-    weights = (1 if fp8 else 2) * lin + 2 * other
+    weights = lin_bytes * lin / shards + 2 * other
+    gathered = 0.0
+    if shards > 1:
+        gathered = 2.0 * lin_bytes * max(layer.linear_params for layer in target.layers)
     h, inter = target.hidden_size, target.intermediate_size
     m = min(micro_tokens, shape.target_padded_tokens)
     # One layer at a time: residual, norm output and the wider of MLP / attention / GDN.
@@ -280,5 +291,5 @@ def target_memory(
     features = 3.0 * per_tok * shape.ctx_len + (2 * h * shape.ctx_len if need_final else 0)
     lm_chunk = 2.0 * min(4096, shape.rows) * target.vocab_size if need_final else 0.0
     return TargetMemory(
-        float(weights), float(layer + max(per_tok * m, lm_chunk) + features), features
+        float(weights), float(gathered + layer + max(per_tok * m, lm_chunk) + features), features
     )

@@ -327,6 +327,9 @@ def predict(
 
     # Memory
     need_final = t.labels == "target"
+    target_fsdp = cfg.distributed.target_sharding == "fsdp"
+    if target_fsdp and placement == "pairs":
+        raise DFlashError("distributed.target_sharding=fsdp needs placement=colocated")
     tmem = target_memory(
         tm,
         shape,
@@ -334,6 +337,7 @@ def predict(
         fp8,
         max(cfg.data.token_budget, 2 * cfg.data.doc_limit),
         need_final,
+        shards=dp if target_fsdp else 1,
     )
     ddp = dp > 1 and cfg.distributed.data_parallel == "ddp"
 

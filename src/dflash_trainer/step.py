@@ -126,7 +126,14 @@ def run_target(
     lengths = [int(x.numel()) for x in ids]
     feats: list[torch.Tensor | None] = [None] * len(ids)
     finals: list[torch.Tensor | None] = [None] * len(ids)
-    for group in _micro_batches(lengths, st.target_batch_tokens):
+    groups = _micro_batches(lengths, st.target_batch_tokens)
+    # A sharded target's forward is a collective, and ranks' documents group into
+    # different numbers of micro-batches: ranks with fewer pad with one-token forwards.
+    # (One forward over all documents would also keep ranks in step, but would pad every
+    # row to the longest document, the memory the micro-batches exist to bound.)
+    for _ in range(target.forward_calls(len(groups)) - len(groups)):
+        target.idle_forward()
+    for group in groups:
         out = target.forward_documents([ids[i] for i in group], need_final=need_final)
         start = 0
         for i in group:

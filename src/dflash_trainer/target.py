@@ -11,7 +11,13 @@ H = target hidden, F = n_tapped * H, R = rows that need target logits.
 - The final normed hidden state is kept per token (a [T, H] tensor, small), and
   lm_head runs only on the R rows the loss needs, in chunks.
 - When nothing needs the final layer (labels from the data), the forward stops
-  right after the deepest tapped layer.
+  right after the deepest tapped layer (not when FSDP-sharded, see forward_documents).
+
+Placement (docs/multi-gpu.md): one copy per rank; FSDP2-sharded decoder layers
+(distributed.apply_target_sharding), where every forward is a collective and ranks
+pad their forward count to the same number; or spread over one process's GPUs with an
+accelerate device_map (`spread_over_gpus`), where outputs are gathered on the first
+device.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.config import TargetConfig
@@ -34,8 +41,18 @@ class _StopForward(Exception):
     """Raised by the deepest tap when the rest of the target is not needed."""
 
 
-def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") -> Any:
-    """An HF causal LM, frozen and in eval mode, on `device`."""
+def load_target_model(
+    tcfg: TargetConfig,
+    device: str | torch.device = "cpu",
+    max_memory: dict[int, int] | None = None,
+) -> Any:
+    """An HF causal LM, frozen and in eval mode, on `device`.
+
+    max_memory (GPU index -> bytes): load on the host, then spread whole decoder layers
+    over those GPUs (target_sharding=device_map); `device` is then ignored.
+    """
+    if max_memory is not None:
+        device = "cpu"
     from transformers import AutoModelForCausalLM
 
     from dflash_trainer.hf_configs import load_target_config, target_source
@@ -70,12 +87,45 @@ def load_target_model(tcfg: TargetConfig, device: str | torch.device = "cpu") ->
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if max_memory is not None:
+        model = spread_over_gpus(model, max_memory)
     return model
 
 
+def spread_over_gpus(model: Any, max_memory: dict[int, int]) -> Any:
+    """Place whole decoder layers over the GPUs of `max_memory` (accelerate's device_map).
+
+    Balanced, not filled in order, so no GPU (the drafter's among them) takes more than
+    its share; accelerate's hooks move activations from one GPU to the next. A target
+    that does not fit the GPUs is refused rather than offloaded to the host, which would
+    make every step copy its weights over PCIe.
+    """
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    balanced = get_balanced_memory(
+        model, max_memory=dict(max_memory), no_split_module_classes=no_split
+    )
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split)
+    off_gpu = sorted({str(d) for d in device_map.values() if not isinstance(d, int)})
+    if off_gpu:
+        gb = {i: round(b / 1e9, 1) for i, b in max_memory.items()}
+        raise DFlashError(
+            f"distributed.target_sharding=device_map: the target does not fit the GPUs "
+            f"(budget per GPU in GB: {gb}; it would need {off_gpu}); use more GPUs, or "
+            "target_sharding=fsdp under torchrun"
+        )
+    return dispatch_model(model, device_map)
+
+
+def decoder_of(model: Any) -> Any:
+    """The decoder stack (embeddings, layers, final norm) under the LM head."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 def decoder_layers(model: Any) -> nn.ModuleList:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder_of(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise DFlashError(
             f"{type(model).__name__}: cannot find its decoder layers (model.model.layers); "
@@ -106,8 +156,13 @@ class FrozenTarget:
         bad = [i for i in self.layer_ids if not 0 <= i < n]
         if bad:
             raise DFlashError(f"target_layer_ids {bad} out of range for a {n}-layer target")
-        self.decoder: Any = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.decoder: Any = decoder_of(model)
         self._captured: dict[int, torch.Tensor] = {}
+        from torch.distributed.fsdp import FSDPModule
+
+        # Derived from the model, not configured: distributed.apply_target_sharding wraps
+        # the layers (with one rank it leaves the target whole).
+        self.sharded = isinstance(self.layers[0], FSDPModule)
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +202,27 @@ class FrozenTarget:
                 h.remove()
 
     def features_of(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        # Under a device_map the tapped layers may sit on different GPUs.
+        dev = captured[self.layer_ids[0]].device
+        return torch.cat([captured[i].to(dev) for i in self.layer_ids], dim=-1)
+
+    def forward_calls(self, n_local: int) -> int:
+        """Forwards this rank must make to run its `n_local` micro-batches.
+
+        A sharded target's forward is a collective (one all-gather per layer), so every
+        rank makes as many forwards as the rank with the most micro-batches, the others
+        padding with `idle_forward`. The count is agreed before any forward runs: an
+        all-reduce issued after one would meet another rank's all-gather.
+        """
+        if not self.sharded:
+            return n_local
+        n = torch.tensor([n_local], device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return int(n.item())
+
+    def idle_forward(self) -> None:
+        """A one-token forward whose outputs are dropped: takes part in the all-gathers."""
+        self.forward_documents([torch.zeros(1, dtype=torch.long)], need_final=False)
 
     @torch.no_grad()
     def forward_documents(
@@ -164,15 +239,18 @@ class FrozenTarget:
             attn[i, : lengths[i]] = 1
         pos = torch.arange(width, device=dev)[None].expand(len(docs), width)
         final = None
-        with self.taps(stop_after_last=not need_final) as cap:
+        # Sharded, the forward runs to the end: an exception leaving the FSDP root skips
+        # its post-forward hook and leaves FSDP's per-forward state half done. (The
+        # deepest tap is usually near the top, so little is lost.)
+        with self.taps(stop_after_last=not need_final and not self.sharded) as cap:
             try:
                 out = self.decoder(
                     input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False
                 )
-                final = out.last_hidden_state if need_final else None
+                final = out.last_hidden_state.to(dev) if need_final else None
             except _StopForward:
                 pass
-            feats = self.features_of(cap)
+            feats = self.features_of(cap).to(dev)
         keep = attn.bool()
         return TargetBatch(
             features_TF=feats[keep],

@@ -155,10 +155,17 @@ class Trainer:
             D.set_compile_cache(self.run_dir, self.world.rank)
         self.fixed_shapes = self.compile and t.pack_documents
 
-        # 2. target
+        # 2. target: whole on each rank, FSDP-sharded over the ranks (loaded on the host,
+        # then 1/world of each decoder layer per GPU), or spread over one process's GPUs
         self._log(f"loading target {cfg.target.name_or_path} ...")
-        model = load_target_model(cfg.target, self.world.target_device)
+        dcfg = cfg.distributed
+        model = load_target_model(
+            cfg.target,
+            D.target_load_device(dcfg, self.world),
+            max_memory=D.target_max_memory(dcfg, self.world),
+        )
         self.spec = resolve_drafter_spec(cfg.drafter, model.config)
+        D.apply_target_sharding(model, dcfg, self.world)
         self.target = FrozenTarget(model, self.spec.target_layer_ids)
 
         # 3. drafter
@@ -572,6 +579,10 @@ class Trainer:
             return None
         if self.cfg.distributed.data_parallel == "fsdp" and self.world.distributed:
             self._log("in-training eval skipped: the drafter is FSDP-sharded")
+            return None
+        if self.target.sharded:
+            # Rank 0 alone cannot run a target whose layers need every rank's all-gather.
+            self._log("in-training eval skipped: the target is FSDP-sharded")
             return None
         from dflash_trainer.data.loading import load_tokenizer
         from dflash_trainer.evaluate import evaluate_prompts
