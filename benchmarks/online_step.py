@@ -56,6 +56,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _plan(cfg: Any) -> Any:
+    from dflash_trainer import planner
+
+    try:
+        return planner.predict(cfg, "h200")
+    except Exception as e:  # the comparison is optional; the measurement is not
+        print(f"planner prediction unavailable: {e!r}", file=sys.stderr)
+        return None
+
+
 def predicted(cfg: Any) -> dict[str, Any] | None:
     try:
         from dflash_trainer import planner
@@ -143,6 +153,30 @@ def main() -> None:
         f"drafter {out['drafter_s_median'] * 1e3:.0f}), {out['samples_per_s']:.1f} samples/s, "
         f"{out['tokens_per_s']:.0f} tok/s, peak {out['peak_gb']:.1f} GB, first step after {t_first:.0f} s"
     )
+    plan = _plan(cfg)
+    if plan is not None:
+        pt = plan.times
+        pred = {
+            "step_s": plan.step_s,
+            "target_side_s": pt.target_side,
+            "drafter_s": pt.drafter,
+            "peak_gb": plan.memory[0].peak_gb,
+        }
+        meas = {
+            "step_s": med,
+            "target_side_s": out["target_s_median"],
+            "drafter_s": out["drafter_s_median"],
+            "peak_gb": out["peak_gb"],
+        }
+        out["predicted_vs_measured"] = {k: (pred[k], meas[k]) for k in pred}
+        print(
+            "predicted vs measured: "
+            + ", ".join(
+                f"{k} {pred[k]:.4g}/{meas[k]:.4g} ({(pred[k] / meas[k] - 1) * 100:+.0f}%)"
+                for k in pred
+                if meas[k]
+            )
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     if args.profile:

@@ -37,7 +37,14 @@ from dflash_trainer.flops import (
 from dflash_trainer.geometry import DrafterSpec, resolve_drafter_spec
 from dflash_trainer.hardware import GB_UNIT, Hardware, get_hardware
 from dflash_trainer.memory_model import Attention, drafter_memory, target_memory
-from dflash_trainer.timing import HOST_OVERHEAD_S, Rates, StageTimes, drafter_times, target_time
+from dflash_trainer.timing import (
+    HOST_OVERHEAD_S,
+    HOST_PER_DOC_S,
+    Rates,
+    StageTimes,
+    drafter_times,
+    target_time,
+)
 from dflash_trainer.workload import DataStats, StepShape, step_shape
 
 DEFAULT_MEAN_TOKENS = 1024
@@ -412,7 +419,7 @@ def predict(
         allreduce=k * ar,
         allreduce_exposed=k * ar_exp * ds,
         optimizer=o_s,
-        host=k * HOST_OVERHEAD_S * ts,
+        host=k * (HOST_OVERHEAD_S + HOST_PER_DOC_S * shape.docs) * ts,
     )
     # The trainer's pairs placement prefetches the next target stage in a thread.
     do_overlap = placement == "pairs" if overlap is None else overlap and placement == "pairs"

@@ -5,7 +5,7 @@ bandwidth efficiency))` summed with the memory-bound work that no matmul hides
 (elementwise ops, the loss's fp32 logits, the optimizer). Which rate applies:
 - target linear layers run at the FP8 peak for an FP8 target, everything else at bf16;
 - the chunked gated-delta-rule scan runs at `SCAN_EFFICIENCY` of the matmul rate (its
-  small chunk matmuls do not fill the tensor cores; an assumption until calibrated);
+  small chunk matmuls do not fill the tensor cores; calibrated on the H200, below);
 - fused attention executes 2.5x its forward FLOPs in backward (score recompute).
 Byte counts for elementwise work are per token and per layer, read off the code:
 norms upcast to fp32, residual adds, SwiGLU, and for the loss about 40 bytes per logit
@@ -24,20 +24,31 @@ from dataclasses import asdict, dataclass
 from dflash_trainer.flops import Flops, TargetModel
 from dflash_trainer.hardware import Hardware
 
-SCAN_EFFICIENCY = 0.5
-"""Fraction of the matmul rate the linear-attention chunk kernels reach (assumed)."""
+SCAN_EFFICIENCY = 0.01
+"""Fraction of the matmul rate the linear-attention path reaches. Calibrated on the H200
+(benchmarks/online_step_h200_202612.md, session 2): a random-weight Qwen3.6-27B forward
+over 8,192 tokens took 958 ms where 0.5 predicted 572; the 386 ms gap is the 48 Gated
+DeltaNet layers (fla 0.6.0 chunk kernels under transformers 5.17, no causal-conv1d: many
+small fp32 Triton kernels), i.e. ~1% of the matmul rate on their 3.1 TFLOP."""
 LOSS_BYTES_PER_LOGIT = {"ce": 40.0, "kl": 110.0}
-HOST_OVERHEAD_S = 0.02
-"""Per step on the host: anchor sampling on the CPU, mask building, Python (assumed)."""
+HOST_OVERHEAD_S = 0.001
+"""Per step on the host, fixed: mask building, Python. Calibrated with HOST_PER_DOC_S on
+two SmolLM2 steps measured on the H200 (29 and 58 documents per step)."""
+HOST_PER_DOC_S = 0.3e-3
+"""Per document per step on the host: anchor sampling, position ids, packing."""
 DDP_BUCKET_BYTES = 25e6
 """DDP's default bucket: the last one cannot overlap with backward."""
-LAUNCH_S = 10e-6
-"""Host time to dispatch one eager op (Python + launch), an assumption. A stage can run
-no faster than its op count times this: what bounds small models (SmolLM2-135M)."""
+LAUNCH_S = 20e-6
+"""Host time to dispatch one eager op (Python + launch). A stage can run no faster than its
+op count times this: what bounds small models (SmolLM2-135M). Calibrated on the H200: a
+SmolLM2 step made ~1,600 kernel launches for ~59 ms of host time (torch.profiler)."""
 TARGET_OPS_PER_LAYER = {"full_attention": 30, "sliding_attention": 30, "linear_attention": 60}
-DRAFTER_OPS_PER_LAYER = 150
-"""Forward (~45 ops: norms, projections, RoPE, attention, MLP) plus backward (~2x)."""
-LOSS_OPS_PER_CHUNK = 30
+DRAFTER_OPS_PER_LAYER = 110
+"""Forward (~35 ops: norms, projections, RoPE, attention, MLP) plus backward (~2x)."""
+DRAFTER_FIXED_OPS = 80
+"""Outside the layers: feature projection, block embeddings, final norm, gathers."""
+LOSS_OPS_PER_CHUNK = 60
+"""One chunk of rows through the lm_head and the loss, forward and its backward."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +155,9 @@ def drafter_times(
         forward += 3 * unfused_score_bytes / rates.bandwidth
         backward += 5 * unfused_score_bytes / rates.bandwidth
     # Dispatch floors: a third of a layer's ops run forward, two thirds backward.
-    forward = max(forward, num_layers * DRAFTER_OPS_PER_LAYER * LAUNCH_S / 3)
-    backward = max(backward, num_layers * DRAFTER_OPS_PER_LAYER * LAUNCH_S * 2 / 3)
+    ops = DRAFTER_FIXED_OPS + num_layers * DRAFTER_OPS_PER_LAYER
+    forward = max(forward, ops * LAUNCH_S / 3)
+    backward = max(backward, ops * LAUNCH_S * 2 / 3)
     loss_s = loss.total() / rates.bf16 + LOSS_BYTES_PER_LOGIT[loss_kind] * logits / rates.bandwidth
     loss_s = max(loss_s, loss_chunks * LOSS_OPS_PER_CHUNK * LAUNCH_S)
     # Fused AdamW: read p, g, m, v and write p, m, v (28 B/param); clipping reads and
