@@ -66,20 +66,6 @@ def _plan(cfg: Any) -> Any:
         return None
 
 
-def predicted(cfg: Any) -> dict[str, Any] | None:
-    try:
-        from dflash_trainer import planner
-
-        fn = getattr(planner, "predict", None)
-        if fn is None:
-            return None
-        out = fn(cfg, "h200")
-        return out if isinstance(out, dict) else getattr(out, "__dict__", {"value": str(out)})
-    except Exception as e:  # the comparison is optional; the measurement is not
-        print(f"planner prediction unavailable: {e!r}", file=sys.stderr)
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="qwen3.6-27b")
@@ -131,6 +117,7 @@ def main() -> None:
     # Wall time per optimizer step (what the planner predicts): target + drafter stages
     # plus clipping, the optimizer and the scheduler.
     med = statistics.median(wall)
+    plan = _plan(cfg)
     out = {
         "recipe": args.recipe,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -145,7 +132,7 @@ def main() -> None:
         "tokens_per_s": stats[-1].tokens / med,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
         "losses": [s.loss for s in stats],
-        "prediction": predicted(cfg),
+        "prediction": plan.to_dict() if plan is not None else None,
     }
     print(json.dumps(out, indent=2, default=str))
     print(
@@ -153,7 +140,6 @@ def main() -> None:
         f"drafter {out['drafter_s_median'] * 1e3:.0f}), {out['samples_per_s']:.1f} samples/s, "
         f"{out['tokens_per_s']:.0f} tok/s, peak {out['peak_gb']:.1f} GB, first step after {t_first:.0f} s"
     )
-    plan = _plan(cfg)
     if plan is not None:
         pt = plan.times
         pred = {

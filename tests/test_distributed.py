@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 from trainer_utils import tiny_config
 
@@ -40,45 +37,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(tmp: Path, parallel: str, steps: int, world: int = 2, resume: bool = False):
     script = tmp / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(script),
-                    str(tmp),
-                    parallel,
-                    str(steps),
-                    "1" if resume else "0",
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], outs
+    args = [str(tmp), parallel, str(steps), "1" if resume else "0"]
+    return run_ranks(script, args, world, timeout_s=300)
 
 
 def _single_process_reference(tmp: Path, steps: int) -> dict[str, torch.Tensor]:

@@ -9,16 +9,13 @@ hang the other). A rank that hangs anyway fails the test by its timeout.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file
-from test_distributed import _free_port
 from trainer_utils import tiny_config, write_tiny_target
 
 from dflash_trainer.batching import Position, TokenBudgetBatcher
@@ -132,36 +129,7 @@ def _launch(tmp: Path, script_text: str, args: list[str], world: int = 2) -> lis
     """Run `script_text` as `world` gloo ranks; their outputs, or a failure naming a hang."""
     script = tmp / f"worker_{abs(hash(script_text))}.py"
     script.write_text(script_text.format(tests=str(Path(__file__).parent)))
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"ranks did not finish within {TIMEOUT_S} s (a collective hung?)")
-    rcs = [p.returncode for p in procs]
+    rcs, outs = run_ranks(script, [str(tmp), *args], world, TIMEOUT_S)
     assert rcs == [0] * world, "\n".join(outs)
     return outs
 
