@@ -183,11 +183,16 @@ def test_compiled_training_on_gpu_and_degenerate_pair_match(tmp_path):
         "log_every": 1,
         "checkpoint_every": 100,
     }
-    a = tiny_config(tmp_path, run={"output_dir": str(tmp_path / "colo")}, training=common)
+    # Compiled FlexAttention needs a head dim of at least 16 (the CPU tests use 8).
+    drafter = {"head_dim": 16}
+    a = tiny_config(
+        tmp_path, run={"output_dir": str(tmp_path / "colo")}, training=common, drafter=drafter
+    )
     b = tiny_config(
         tmp_path,
         run={"output_dir": str(tmp_path / "pairs")},
         training=common,
+        drafter=drafter,
         distributed={"placement": "pairs"},
     )
     Trainer(a, log_to_console=False).train()

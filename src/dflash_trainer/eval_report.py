@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -146,7 +147,11 @@ def build_report(
 
 def write_json(report: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+    # Written next to the destination and renamed: a run killed mid-write (a timeout, a
+    # preempted job) leaves the previous report, never half of one.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
     return path
 
 

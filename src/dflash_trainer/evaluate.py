@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import platform
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,9 +414,13 @@ def run(args: argparse.Namespace) -> int:
     sets = [load_prompt_set(name, cfg.max_samples, cfg.seed) for name in cfg.prompts]
     models = load_eval_models(args.drafter, args.target, args.target_dtype, args.device)
     results: dict[str, Any] = {}
+    partial = Path(args.json) if args.json else None
+    if partial is None and args.out_dir:
+        partial = Path(args.out_dir) / "eval.json"
     for ps in sets:
         label = set_label(ps.name)
         print(f"dflash eval: {label}: {len(ps.prompts)} of {ps.total} prompts", file=sys.stderr)
+        t0 = time.perf_counter()
         res = evaluate_prompts(
             models.drafter,
             models.target,
@@ -429,6 +434,14 @@ def run(args: argparse.Namespace) -> int:
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
         results[label] = res
+        print(
+            f"dflash eval: {label}: tau {_num(res.get('tau'))}, speedup "
+            f"{_num(res.get('speedup'))}x ({time.perf_counter() - t0:.0f} s)",
+            file=sys.stderr,
+        )
+        if partial is not None:
+            # Each finished set is on disk at once: a long eval cut short keeps what it measured.
+            write_json(build_report(results, cfg, models.identity, vars(args)), partial)
     report = build_report(results, cfg, models.identity, vars(args))
     print(markdown(report))
     if args.json:
@@ -446,3 +459,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0 if args.allow_mismatch else 1
     return 0
+
+
+def _num(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, int | float) else "-"

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# H200 session 4, call 3: let the detached sweep go on; at 270 s stop the long runs
+# (SIGTERM: checkpoint, then their evaluations start); wait for every evaluation; bring
+# back logs, metrics, eval reports and the best long run's drafter (bf16, split in parts).
+set -u
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+W=/root/work
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+while [ $(( $(date +%s) - T0 )) -lt 270 ] && [ ! -e $W/out/done_main -o ! -e $W/out/done_dpace_long ]; do
+  sleep 30; echo "$(el) $(ls $W/out | grep -c done_) done; $(tail -n 1 $W/runs/main/metrics.jsonl | cut -c1-90)"
+done
+pkill -TERM -f "^python3 -m dflash_trainer.cli train .*runs/(main|dpace_long) " && echo "$(el) SIGTERM sent to the long runs"
+while [ $(( $(date +%s) - T0 )) -lt 560 ] && [ $(ls $W/out | grep -c done_) -lt 9 ]; do
+  sleep 15; echo "$(el) $(ls $W/out | grep -c done_) done"
+done
+for f in $W/out/eval_*/eval.md; do echo "## $f"; sed -n 1,12p "$f"; done
+tar czf $OUT/call3.tgz -C $W out
+python3 - <<'PY'
+import json, os, torch
+from safetensors.torch import load_file, save_file
+W = "/root/work"
+def gsm(name):
+    try:
+        return json.load(open(f"{W}/out/eval_{name}_t0/eval.json"))["sets"]["gsm8k"]["tau"]
+    except Exception:
+        return -1.0
+best = max(("main", "dpace_long"), key=gsm)
+ck = f"{W}/runs/{best}/checkpoints"
+step = open(f"{ck}/LATEST").read().strip()
+sd = {k: v.to(torch.bfloat16) for k, v in load_file(f"{ck}/{step}/drafter.safetensors").items()}
+save_file(sd, f"{W}/best_drafter_bf16.safetensors")
+os.system(f"cp {ck}/{step}/meta.json $OUT/best_drafter_meta.json; echo best={best} step={step}")
+PY
+split -b 15000000 -d $W/best_drafter_bf16.safetensors $OUT/best_drafter_bf16.part
+ls -la $OUT; echo "== end $(el)"
