@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# H200 session 4, call 3: let the detached sweep go on; at 270 s stop the long runs
+# H200 session 4, call 3: the GPU tests; let the detached sweep go on; at 270 s stop the long runs
 # (SIGTERM: checkpoint, then their evaluations start); wait for every evaluation; bring
 # back logs, metrics, eval reports and the best long run's drafter (bf16, split in parts).
 set -u
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 W=/root/work
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+# The GPU tests (compiled training + degenerate pair, the speculative loop on CUDA) share
+# the GPU with the sweep: they check correctness, not speed.
+TOKENIZERS_PARALLELISM=false timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trainer.py tests/test_speculative_gpu.py > $W/out/gpu_tests.log 2>&1 &
 while [ $(( $(date +%s) - T0 )) -lt 270 ] && [ ! -e $W/out/done_main -o ! -e $W/out/done_dpace_long ]; do
   sleep 30; echo "$(el) $(ls $W/out | grep -c done_) done; $(tail -n 1 $W/runs/main/metrics.jsonl | cut -c1-90)"
 done
@@ -13,6 +16,7 @@ pkill -TERM -f "^python3 -m dflash_trainer.cli train .*runs/(main|dpace_long) " 
 while [ $(( $(date +%s) - T0 )) -lt 560 ] && [ $(ls $W/out | grep -c done_) -lt 9 ]; do
   sleep 15; echo "$(el) $(ls $W/out | grep -c done_) done"
 done
+echo "== gpu tests"; tail -n 15 $W/out/gpu_tests.log
 for f in $W/out/eval_*/eval.md; do echo "## $f"; sed -n 1,12p "$f"; done
 tar czf $OUT/call3.tgz -C $W out
 python3 - <<'PY'
