@@ -10,6 +10,13 @@ How it is measured (docs/plan-and-doctor.md, "How memory was checked"):
   moments and the inputs, counted exactly).
 The step is the trainer's own: step.prepare_blocks, step.drafter_loss, backward,
 clip_grad_norm_, optim.build_optimizer's AdamW, zero_grad(set_to_none=True).
+
+The compiled ledger (training.compile) is checked the same way on layers compiled the
+way the trainer compiles them, through Inductor's decompositions, joint-graph passes and
+min-cut partitioner; only code generation is left out (the partitioned graphs run as
+eager aten), because Inductor's CPU backend has no FlexAttention backward. Generation
+does not change what the forward hands to the backward: with SDPA in place of
+FlexAttention, a full Inductor build on CPU saves the same bytes as this one.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash_trainer import memory_model as M
 from dflash_trainer.config import TrainingConfig
-from dflash_trainer.drafter import DFlashDrafter, sdpa_attention
+from dflash_trainer.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
 from dflash_trainer.optim import build_optimizer
 from dflash_trainer.packing import pack_documents
 from dflash_trainer.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
@@ -177,6 +184,122 @@ def test_drafter_memory_matches_a_measured_step(bf16, attention, loss, noise):
     # The allocator's peak over the whole step, and the part of it the step itself adds.
     assert m["peak_pred"] == pytest.approx(m["peak"], rel=0.15)
     assert m["step_pred"] == pytest.approx(m["step"], rel=0.15)
+
+
+def _inductor_partitioned_backend():
+    """Inductor's decompositions and partition_fn (joint passes + min-cut), no codegen."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import partition_fn, select_decomp_table
+
+    def run_as_aten(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(
+        fw_compiler=run_as_aten,
+        bw_compiler=run_as_aten,
+        decompositions=select_decomp_table(),
+        partition_fn=partition_fn,
+    )
+
+
+def measure_compiled_saved(
+    monkeypatch: pytest.MonkeyPatch, bf16: bool, loss: str, noise: float
+) -> tuple[float, M.Ledger, M.Ledger]:
+    """(measured saved bytes, compiled ledger, eager ledger) of a compiled drafter step."""
+    import torch.nn.attention.flex_attention as flex_mod
+
+    # The guard only says no compiled CPU kernel exists for the backward; the
+    # partitioned graph's flex_attention_backward runs its dense aten fallback.
+    monkeypatch.setattr(flex_mod, "_validate_device", lambda *_: None)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    spec = _spec()
+    model = DFlashDrafter(spec, noise_std=noise).train()
+    ids, masks = random_docs([300, 500, 224], vocab=spec.vocab_size - 1, p_mask=0.7)
+    pack = pack_documents(ids, masks, pad_multiple=128)
+    tdt = torch.bfloat16 if bf16 else torch.float32
+    feats = torch.randn(pack.length, spec.num_context_features).to(tdt)
+    final = torch.randn(pack.length, spec.hidden_size).to(tdt) if loss == "kl" else None
+    emb = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).to(tdt).requires_grad_(False)
+    st = StepSettings(
+        block_size=spec.block_size,
+        mask_token_id=spec.mask_token_id,
+        max_anchors=64,
+        labels="target" if loss == "kl" else "data",
+        loss=loss,
+        weighting="decay",
+        gamma=4.0,
+        dpace_alpha=0.5,
+        chunk_rows=128,
+        fixed_anchors=True,
+    )
+    blocks = prepare_blocks(
+        TargetOut(pack, feats, final),
+        None,
+        st,
+        torch.Generator().manual_seed(1),
+        torch.device("cpu"),
+    )
+    # As Trainer._attention does with training.compile: FlexAttention and each layer.
+    backend = _inductor_partitioned_backend()
+    attn = torch.compile(flex_attention_eager, dynamic=False, backend=backend)
+    for layer in model.layers:
+        layer.compile(dynamic=False, backend=backend)
+    embedded: list[torch.Tensor] = []
+
+    def embed(ids_: torch.Tensor) -> torch.Tensor:
+        embedded.append(emb(ids_))
+        return embedded[-1]
+
+    def step() -> None:
+        res = drafter_loss(
+            model, blocks, embed, emb.weight.detach(), st, attn, True, tdt if bf16 else None
+        )
+        res.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack_hook(t: torch.Tensor) -> torch.Tensor:
+        saved.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    try:
+        step()  # compiling traces fake tensors: measure the second step only
+        embedded.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            step()
+    finally:
+        torch._dynamo.reset()
+    # Inputs of the step are not activations: parameters, features, the block embeddings
+    # (layer 0's input, which its graph keeps) and the masks' int32 block tables and
+    # intervals.
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in (feats, *embedded)}
+    measured = sum(
+        _bytes(t) for k, t in saved.items() if k not in exclude and t.dtype != torch.int32
+    )
+    t, q = blocks.pack.length, blocks.anchors.num_anchors * spec.block_size
+    rows = float(blocks.anchors.slot_valid_NB.sum())
+    nb = 2 if bf16 else 4
+    args = (spec, t, q, rows, bf16, "flex", noise > 0, nb, nb)
+    return (
+        float(measured),
+        M.drafter_activations(*args, compiled=True),
+        M.drafter_activations(*args),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("bf16", "loss", "noise"), [(True, "ce", 0.05), (True, "kl", 0.0), (False, "ce", 0.05)]
+)
+def test_compiled_ledger_matches_what_compiled_layers_save(monkeypatch, bf16, loss, noise):
+    measured, compiled, eager = measure_compiled_saved(monkeypatch, bf16, loss, noise)
+    assert compiled.total == pytest.approx(measured, rel=0.05)
+    # The compiled layers keep far less than the eager ledger says: it cannot stand in.
+    assert eager.total > 1.25 * measured
 
 
 def test_unfused_attention_costs_what_the_seed_measured():

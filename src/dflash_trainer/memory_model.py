@@ -17,12 +17,27 @@ formula needs). Two facts of that code matter most:
   and GQA, i.e. compile off) the fp32 probabilities [Hq, Q, KV] and fp32 K/V expanded
   to Hq heads, and it materialises [Hq, Q, KV] fp32 scores twice in forward and twice
   more in backward.
+With training.compile (`compiled=True`: each drafter layer compiled by Inductor, with
+FlexAttention inside) the layers save far less, because Inductor's min-cut partitioner
+keeps only what is expensive to recompute: matmul outputs, reductions' results (the
+norms' rsqrt) and every tensor a backward matmul or the attention backward reads
+anyway; the norms' fp32 copies, casts, RoPE and SiLU are recomputed in the backward's
+fused kernels. Per layer it keeps the layer's input, one bf16 cast per distinct linear
+input (shared by q/k/v, by gate/up, and by the context's k/v), the raw q/k projections
+before their norms, attention's q, k, v, output and log-sum-exp, the o_proj output (to
+rebuild the residual), gate, up and their product (not silu(gate)), and the bf16 cast
+of each weight. What runs outside the compiled layers (fc, hidden_norm, the final norm,
+the loss) keeps the eager ledger.
 Peaks are taken per phase of the step (loss forward, end of backward, optimizer), the
 way the allocator sees them; `runtime_reserve` (CUDA context, workspaces) is added
 only to the fit, because torch.cuda.max_memory_allocated does not see it.
 
 Validated on CPU by tests/test_planner_memory.py against the bytes autograd actually
-saves (saved_tensors_hooks) and the allocator's peak (the profiler's memory events).
+saves (saved_tensors_hooks) and the allocator's peak (the profiler's memory events); the
+compiled ledger against a CPU compile that runs Inductor's own decompositions, joint
+passes and partitioner but leaves the partitioned graphs to eager aten (Inductor's CPU
+backend has no FlexAttention backward, and code generation does not change what the
+forward graph hands to the backward).
 """
 
 from __future__ import annotations
@@ -74,22 +89,46 @@ def drafter_activations(
     noise: bool,
     lm_head_bytes: int = 2,
     feature_bytes: int = 2,
+    compiled: bool = False,
 ) -> Ledger:
-    """Bytes autograd saves for backward in one drafter forward + loss (inputs excluded)."""
+    """Bytes autograd saves for backward in one drafter forward + loss (inputs excluded).
+
+    compiled: the layers run under torch.compile (training.compile), so they save what
+    Inductor's partitioner keeps (`_compiled_layers`), not the eager ops' tensors.
+    """
+    if compiled and attention != "flex":
+        raise ValueError("compiled layers run FlexAttention: use attention='flex'")
     a = 2 if bf16 else 4
     h, d = spec.hidden_size, spec.head_dim
-    hq, hkv = spec.num_attention_heads, spec.num_key_value_heads
-    kv = t + q
-    n_layers = spec.num_layers
     led = Ledger()
     # Context: fc keeps its input; it is a new tensor when noise is added, when step.py
     # upcasts non-fp32 features without autocast, or when autocast casts fp32 features.
     if noise or feature_bytes != a:
         led.add("context.features", a * t * spec.num_context_features)
     _norm(led, "context.hidden_norm", t, h, a, True)
+    led.add("rope_tables", 4 * 2 * (t + q) * d)
+    if compiled:
+        _compiled_layers(led, spec, t, q, a)
+    else:
+        _eager_layers(led, spec, t, q, bf16, attention)
+    _norm(led, "final_norm", q, h, a, True)
+    led.add("loss.grad_hidden", lm_head_bytes * rows * spec.hidden_size + 8 * rows)
+    if bf16 and not compiled:
+        # Autocast caches one bf16 copy of every linear weight; linears save it.
+        led.add("autocast_weights", 2 * linear_params(spec))
+    return led
+
+
+def _eager_layers(
+    led: Ledger, spec: DrafterSpec, t: int, q: int, bf16: bool, attention: Attention
+) -> None:
+    a = 2 if bf16 else 4
+    h, d = spec.hidden_size, spec.head_dim
+    hq, hkv = spec.num_attention_heads, spec.num_key_value_heads
+    kv = t + q
+    n_layers = spec.num_layers
     # fp32: one ctx tensor shared by every k/v projection; bf16: a cast per projection.
     led.add("context.kv_inputs", (2 * n_layers * 2 if bf16 else 4) * t * h)
-    led.add("rope_tables", 4 * 2 * (t + q) * d)
     for i in range(n_layers):
         _norm(led, "context.k_norm", t, hkv * d, a, True)
         _norm(led, "block.input_norm", q, h, a, i > 0)  # layer 0 reads frozen embeddings
@@ -106,23 +145,61 @@ def drafter_activations(
             led.add("attention.out_lse", a * q * hq * d + 4 * hq * q)
             if attention == "cpu":
                 led.add("attention.mask", a * q * kv)  # the kernel's additive copy
-        _layer_post_attention(led, spec, q, bf16)
-    _norm(led, "final_norm", q, h, a, True)
-    led.add("loss.grad_hidden", lm_head_bytes * rows * spec.hidden_size + 8 * rows)
-    if bf16:
-        # Autocast caches one bf16 copy of every linear weight; linears save it.
-        led.add("autocast_weights", 2 * linear_params(spec))
-    return led
+        _layer_post_attention(led, spec, q, bf16, compiled=False)
 
 
-def _layer_post_attention(led: Ledger, spec: DrafterSpec, q: int, bf16: bool) -> None:
-    """What a layer saves after its attention: o_proj input, post norm, MLP."""
+def _compiled_layers(led: Ledger, spec: DrafterSpec, t: int, q: int, a: int) -> None:
+    """What Inductor's partitioner saves per compiled layer (FlexAttention inside).
+
+    Matmul outputs and the inputs of backward matmuls are never recomputed; pointwise
+    work (norm upcasts, casts, RoPE, silu) is, from them and the norms' rsqrt.
+    """
+    h, d = spec.hidden_size, spec.head_dim
+    hq, hkv = spec.num_attention_heads, spec.num_key_value_heads
+    kv = t + q
+    if a == 4:
+        led.add("context.kv_inputs", 4 * t * h)  # ctx itself, shared by every layer
+    for i in range(spec.num_layers):
+        if a == 2:
+            # Each layer's k/v projections share one cast of ctx (a graph of its own).
+            led.add("context.kv_inputs", 2 * t * h)
+        led.add("context.k_norm", a * t * hkv * d + 4 * t * hkv)  # k_proj's output, rsqrt
+        if i > 0:
+            # Layer 0's input is the frozen block embeddings, already an input of the step.
+            led.add("block.layer_input", a * q * h)
+        led.add("block.input_norm", 4 * q + a * q * h)  # rsqrt, the cast q/k/v share
+        led.add("block.q_norm", a * q * hq * d + 4 * q * hq)
+        led.add("block.k_norm", a * q * hkv * d + 4 * q * hkv)
+        led.add("attention.qkv", a * (q * hq * d + 2 * kv * hkv * d))
+        led.add("attention.out_lse", a * q * hq * d + 4 * hq * q)  # out is o_proj's input
+        _layer_post_attention(led, spec, q, a == 2, compiled=True)
+        if a == 2:
+            led.add("layer_weights", 2 * _layer_linear_params(spec))
+
+
+def _layer_post_attention(
+    led: Ledger, spec: DrafterSpec, q: int, bf16: bool, compiled: bool
+) -> None:
+    """What a layer saves after its attention: o_proj input/output, post norm, MLP."""
     a = 2 if bf16 else 4
-    h = spec.hidden_size
+    h, inter = spec.hidden_size, spec.intermediate_size
+    if compiled:
+        # o_proj's output rebuilds the residual sum that post_norm's backward reads;
+        # its input is attention's saved output.
+        led.add("block.o_proj_output", a * q * h)
+        led.add("block.post_norm", 4 * q + a * q * h)  # rsqrt, the cast gate/up share
+        led.add("block.mlp", 3 * a * q * inter)  # gate, up, product; silu is recomputed
+        return
     led.add("block.o_proj_input", a * q * spec.num_attention_heads * spec.head_dim)
     _norm(led, "block.post_norm", q, h, a, True)
     led.add("block.mlp_inputs", (2 * 2 if bf16 else 4) * q * h)
-    led.add("block.mlp", 4 * a * q * spec.intermediate_size)  # gate, silu(gate), up, product
+    led.add("block.mlp", 4 * a * q * inter)  # gate, silu(gate), up, product
+
+
+def _layer_linear_params(spec: DrafterSpec) -> float:
+    """Linear parameters of one layer (fc excluded: its input never needs a gradient)."""
+    fc = spec.num_context_features * spec.hidden_size
+    return (linear_params(spec) - fc) / spec.num_layers
 
 
 def linear_params(spec: DrafterSpec) -> int:
@@ -188,7 +265,9 @@ def drafter_memory(
     lm_head_bytes: int = 2,
     feature_bytes: int = 2,
     target_tables: int = 1,
+    compiled: bool = False,
 ) -> DrafterMemory:
+    """compiled: training.compile (Inductor layers, FlexAttention); see drafter_activations."""
     t, q, r = shape.ctx_len, shape.queries, shape.rows
     h, v = spec.hidden_size, spec.vocab_size
     p = sum(drafter_param_counts(spec).values())
@@ -206,7 +285,9 @@ def drafter_memory(
     if target_tables:
         # The target's lm_head (and, in pairs, its embedding table) kept on this GPU.
         inputs["target_tables"] = float(target_tables * lm_head_bytes * v * h)
-    act = drafter_activations(spec, t, q, r, bf16, attention, noise, lm_head_bytes, feature_bytes)
+    act = drafter_activations(
+        spec, t, q, r, bf16, attention, noise, lm_head_bytes, feature_bytes, compiled
+    )
     saved = act.total
     base = sum(static.values()) + sum(inputs.values())
     # Loss forward: everything saved, the fp32 hidden [Q,H], its gathered rows (fp32 and
@@ -218,7 +299,7 @@ def drafter_memory(
     # what that layer saves after its attention, the final norm and the loss's rows are
     # not (or no longer) held.
     tail = Ledger()
-    _layer_post_attention(tail, spec, q, bf16)
+    _layer_post_attention(tail, spec, q, bf16, compiled)
     after_attn = tail.total + act.items["final_norm"] + act.items["loss.grad_hidden"]
     fwd_peak = base + saved - after_attn + fwd_t
     # Backward: early, every saved tensor plus the top layer's MLP gradients (two [Q, I]

@@ -348,7 +348,7 @@ def predict(
     )
     ddp = dp > 1 and cfg.distributed.data_parallel == "ddp"
 
-    def drafter_side(attention: Attention, tables: int) -> Any:
+    def drafter_side(attention: Attention, tables: int, layers_compiled: bool) -> Any:
         return drafter_memory(
             spec,
             shape,
@@ -361,6 +361,7 @@ def predict(
             lm_head_bytes=tbytes,
             feature_bytes=tbytes,
             target_tables=tables,
+            compiled=layers_compiled,
         )
 
     attention: Attention = "flex" if compiled else "math"
@@ -371,8 +372,8 @@ def predict(
         hw,
         placement,
         tmem,
-        drafter_side(attention, tables),
-        drafter_side("math", tables),
+        drafter_side(attention, tables, compiled),
+        drafter_side("math", tables, False),
     )
 
     # Time
@@ -380,7 +381,10 @@ def predict(
     tsec = target_time(
         tm, tflops, shape.target_padded_tokens, layers_run, shape.target_micro_batches, rates, fp8
     )
-    dmem = drafter_side(attention, tables)
+    # The elementwise traffic term (timing.drafter_times) reads the eager ledger, as when
+    # it was calibrated: a compiled backward recomputes what its forward did not save,
+    # so the smaller compiled ledger does not mean less elementwise work.
+    dmem = drafter_side(attention, tables, False)
     score_bytes = 0.0
     if not compiled:
         score_bytes = (
