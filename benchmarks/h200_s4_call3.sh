@@ -8,7 +8,15 @@ W=/root/work
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s]"; }
 # The GPU tests (compiled training + degenerate pair, the speculative loop on CUDA) share
 # the GPU with the sweep: they check correctness, not speed.
-TOKENIZERS_PARALLELISM=false timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trainer.py tests/test_speculative_gpu.py > $W/out/gpu_tests.log 2>&1 &
+# Then the planner's compiled memory ledger against the SmolLM2 recipe shape (peak memory is
+# per process, so the sweep beside it does not change it; its step time here is not a
+# measurement of the planner's timing, which session 3 validated alone).
+SMOL="target.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct training.eval_every=0"
+( TOKENIZERS_PARALLELISM=false timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trainer.py tests/test_speculative_gpu.py > $W/out/gpu_tests.log 2>&1
+  for shape in "29" "8 drafter.num_layers=3 training.max_anchors=256"; do
+    set -- $shape; n=$1; shift
+    timeout 90 python3 benchmarks/online_step.py --recipe smollm2-135m --docs $n --steps 8 --override $SMOL "$@" --json $W/out/memcheck_smol_${n}docs.json > $W/out/memcheck_smol_${n}docs.log 2>&1
+  done ) &
 while [ $(( $(date +%s) - T0 )) -lt 270 ] && [ ! -e $W/out/done_main -o ! -e $W/out/done_dpace_long ]; do
   sleep 30; echo "$(el) $(ls $W/out | grep -c done_) done; $(tail -n 1 $W/runs/main/metrics.jsonl | cut -c1-90)"
 done
@@ -17,6 +25,7 @@ while [ $(( $(date +%s) - T0 )) -lt 560 ] && [ $(ls $W/out | grep -c done_) -lt 
   sleep 15; echo "$(el) $(ls $W/out | grep -c done_) done"
 done
 echo "== gpu tests"; tail -n 15 $W/out/gpu_tests.log
+for f in $W/out/memcheck_*.log; do echo "## $f"; tail -n 2 "$f"; done
 for f in $W/out/eval_*/eval.md; do echo "## $f"; sed -n 1,12p "$f"; done
 tar czf $OUT/call3.tgz -C $W out
 python3 - <<'PY'
