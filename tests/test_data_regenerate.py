@@ -112,6 +112,36 @@ def test_records_carry_the_settings_and_read_back_as_openai_messages(
     assert [c.id for c in back] == [r["id"] for r in _lines(out)]
 
 
+class _MemoryLimited:
+    """The real tiny model behind a GPU-memory limit: `generate` on more than `rows` prompts
+    raises the OutOfMemoryError CUDA would (a CPU run cannot run out of GPU memory)."""
+
+    def __init__(self, model: Any, rows: int) -> None:
+        self.model, self.rows = model, rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def generate(self, ids: torch.Tensor, **kw: Any) -> Any:
+        if ids.shape[0] > self.rows:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({ids.shape[0]} rows)")
+        return self.model.generate(ids, **kw)
+
+
+def test_a_batch_that_runs_out_of_memory_is_split_and_gives_the_same_answers(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    convs = _convs(7)
+    whole = _run(convs, model, tok, tmp_path / "whole.jsonl", batch_size=4)
+    split = _run(convs, _MemoryLimited(model, 1), tok, tmp_path / "split.jsonl", batch_size=4)
+    assert whole.oom_splits == 0 and split.oom_splits > 0
+    assert split.written == whole.written == 7
+    by_id = {r["id"]: r for r in _lines(tmp_path / "whole.jsonl")}
+    assert all(r == by_id[r["id"]] for r in _lines(tmp_path / "split.jsonl"))
+    with pytest.raises(DFlashError, match="single prompt"):
+        _run(convs[:2], _MemoryLimited(model, 0), tok, tmp_path / "none.jsonl")
+
+
 def test_resume_drops_a_partial_last_line_and_never_duplicates(
     tmp_path: Path, model: Any, tok: Any
 ) -> None:

@@ -173,7 +173,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
         f"{result.skipped_prompt_too_long} skipped: first prompt too long, "
-        f"{result.truncated_at_prompt_limit} cut at the prompt limit); "
+        f"{result.truncated_at_prompt_limit} cut at the prompt limit, "
+        f"{result.oom_splits} batches split after running out of GPU memory); "
         f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )

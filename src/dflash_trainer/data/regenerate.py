@@ -94,8 +94,33 @@ class HFBatchGenerator:
         self.model, self.pad_id = model, pad_id
         self.max_batch: int | None = batch
         self.config = _hf_generation_config(settings, stops, pad_id)
+        self.oom_splits = 0  # batches split in halves after running out of GPU memory
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Generate for every prompt; a batch that runs out of GPU memory is split in halves.
+
+        Why: windows are sorted shortest-first, so the last batches hold the longest prompts
+        and the attention workspace grows with their square; a fixed batch size that fits
+        the first batches can fail on the last ones (seen on the H200 with 4 jobs sharing the
+        GPU). Halving keeps the job alive and its output identical for greedy decoding.
+        """
+        import torch
+
+        try:
+            return self._generate_batch(prompts)
+        except torch.OutOfMemoryError:
+            if len(prompts) == 1:
+                raise DFlashError(
+                    "out of GPU memory generating a single prompt of "
+                    f"{len(prompts[0])} tokens; lower --max-prompt-tokens or --max-new-tokens, "
+                    "or free the GPU"
+                ) from None
+            torch.cuda.empty_cache()
+            self.oom_splits += 1
+            half = len(prompts) // 2
+            return self.generate(prompts[:half]) + self.generate(prompts[half:])
+
+    def _generate_batch(self, prompts: list[list[int]]) -> list[list[int]]:
         import torch
 
         width = max(len(p) for p in prompts)
@@ -192,6 +217,7 @@ class RegenerateReport:
     already_done: int = 0
     skipped_prompt_too_long: int = 0
     truncated_at_prompt_limit: int = 0
+    oom_splits: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -290,6 +316,7 @@ def regenerate(
         job.writer.f.close()
         job.bar.close()
     report.seconds = time.perf_counter() - job.t0
+    report.oom_splits = getattr(generator, "oom_splits", 0)
     return report
 
 
