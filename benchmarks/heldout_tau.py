@@ -29,6 +29,7 @@ from dflash_trainer.drafter_io import build_drafter
 from dflash_trainer.speculative import DFlashBlockDrafter
 from dflash_trainer.step import drafter_loss, prepare_blocks, run_target, settings_from_config
 from dflash_trainer.target import FrozenTarget, load_target_model
+from dflash_trainer.walk_eval import walked_tau
 
 
 def split_metrics(
@@ -99,40 +100,6 @@ def tau_by_offset(
     return {k: {"anchors": len(v), "tau": sum(v) / max(len(v), 1)} for k, v in buckets.items()}
 
 
-def walk_tau(
-    data: PreparedDataset, n_docs: int, target: FrozenTarget, drafter: torch.nn.Module, span: int
-) -> dict[str, float]:
-    """Tokens per step when drafting walks the document as serving does (the next anchor is the
-    first rejected slot), over the first `span` answer tokens, teacher-forced.
-
-    Uniform anchors weigh every position once; serving takes many steps in hard stretches and
-    few in easy ones, so its tokens/step sits below the uniform-anchor mean.
-    """
-    block = drafter.spec.block_size
-    adapter = DFlashBlockDrafter(drafter, target)
-    tokens = steps = 0
-    for j in range(min(n_docs, len(data))):
-        d = data[j]
-        ids = torch.from_numpy(d.input_ids.astype("int64"))
-        first = int(d.loss_mask.nonzero()[0][0])
-        end = min(len(ids) - block, first + span)
-        with torch.no_grad():
-            out = target.forward_documents([ids], need_final=True)
-            assert out.final_hidden_TH is not None
-            labels = target.argmax_at(out.final_hidden_TH)
-            a = first
-            while a < end:
-                adapter.start(ids[:a], out.features_TF[:a])
-                drafts = adapter(ids[: a + 1], None)
-                run = 0
-                while run < block - 1 and int(drafts[run]) == int(labels[a + run]):
-                    run += 1
-                tokens += run + 1
-                steps += 1
-                a += run + 1
-    return {"span": float(span), "steps": float(steps), "tau": tokens / max(steps, 1)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", required=True)
@@ -155,10 +122,10 @@ def main() -> None:
     out["eval_by_answer_offset"] = tau_by_offset(
         PreparedDataset(args.data, "eval"), args.offset_docs, target, drafter, args.stride
     )
-    for span in (128, 4096):
-        out[f"eval_walk_first_{span}"] = walk_tau(
-            PreparedDataset(args.data, "eval"), args.offset_docs, target, drafter, span
-        )
+    held_out = PreparedDataset(args.data, "eval")
+    docs = [held_out[i] for i in range(min(args.offset_docs, len(held_out)))]
+    for span in (128, None):
+        out[f"eval_walk_first_{span or 'all'}"] = walked_tau(drafter, target, docs, span)
     print(json.dumps(out, indent=1))
 
 

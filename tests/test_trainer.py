@@ -203,3 +203,21 @@ def test_compiled_training_on_gpu_and_degenerate_pair_match(tmp_path):
     # algorithms, so equality is to bf16 noise, not bitwise.
     for (sa, xa), (sb, xb) in zip(la, lb):
         assert sa == sb and abs(xa - xb) <= 2e-2 * abs(xa), (la, lb)
+
+
+def test_in_training_eval_walks_the_held_out_split(tmp_path):
+    data = write_prepared(tmp_path / "count", learnable=True)
+    cfg = tiny_config(
+        tmp_path,
+        data={"train": str(data)},
+        training={"max_steps": 10, "log_every": 10, "checkpoint_every": 100},
+        eval={"train_walk_docs": 6},
+    )
+    trainer = Trainer(cfg, log_to_console=False)
+    trainer.train()
+    assert trainer._heldout_walk() is None  # the tiny dataset has no eval split
+    trainer.data.eval = trainer.data.train  # a split of real prepared documents
+    walk = trainer._heldout_walk()
+    assert walk is not None and walk["documents"] == 6 and walk["steps"] > 0
+    assert 1.0 <= walk["tau"] <= cfg.drafter.block_size
+    assert trainer.drafter.training  # the walk restores the training mode

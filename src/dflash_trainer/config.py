@@ -379,6 +379,8 @@ class EvalConfig:
     """Pass enable_thinking to chat templates that support it."""
     train_eval_samples: int = 8
     """Prompts used by the in-training eval."""
+    train_walk_docs: int = 16
+    """Held-out documents walked by the in-training eval (walk_eval.py); 0 turns it off."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -387,6 +389,8 @@ class EvalConfig:
             _fail("eval.top_p", "must be in (0, 1]")
         if self.max_new_tokens < 1:
             _fail("eval.max_new_tokens", "must be >= 1")
+        if self.train_walk_docs < 0:
+            _fail("eval.train_walk_docs", "must be >= 0 (0 turns the held-out walk off)")
 
 
 @dataclass(frozen=True)

@@ -596,17 +596,40 @@ class Trainer:
             self._eval_prompts = [p.messages for p in ps.prompts]
         t0 = time.perf_counter()
         out = evaluate_prompts(self.drafter, self.target, self._tokenizer, self._eval_prompts, ev)
-        rec = {
+        rec: dict[str, Any] = {
             "step": self.step,
             "eval_set": ev.prompts[0],
             "eval_tau": float(out["tau"]),
             "eval_tau_pooled": float(out["tau_pooled"]),
             "eval_time_s": time.perf_counter() - t0,
         }
+        msg = f"step {self.step}: measured tau on {ev.prompts[0]} = {rec['eval_tau']:.2f}"
+        walk = self._heldout_walk()
+        if walk is not None:
+            rec.update(heldout_walk_tau=walk["tau"], heldout_walk_time_s=walk["seconds"])
+            msg += f", walked held-out tau = {walk['tau']:.2f} ({walk['documents']:.0f} documents)"
         self.metrics.write(rec)
-        self._log(f"step {self.step}: measured tau on {ev.prompts[0]} = {rec['eval_tau']:.2f}")
+        self._log(msg)
         self.drafter.train()
         return rec
+
+    def _heldout_walk(self) -> dict[str, float] | None:
+        """The held-out split walked as greedy serving walks it (walk_eval.py), or None.
+
+        The in-batch tau's served counterpart on the training distribution: uniform anchors
+        overstate what serving, which counts tokens per step, will see.
+        """
+        n = self.cfg.eval.train_walk_docs
+        held_out = self.data.eval
+        if not n or held_out is None:
+            return None
+        from dflash_trainer.walk_eval import walked_tau
+
+        t0 = time.perf_counter()
+        docs = [held_out[i] for i in range(min(n, len(held_out)))]
+        out = walked_tau(self.drafter, self.target, docs)
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
     # ------------------------------------------------------------ checkpoints
 
