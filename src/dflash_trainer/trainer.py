@@ -627,7 +627,9 @@ class Trainer:
 
         t0 = time.perf_counter()
         docs = [held_out[i] for i in range(min(n, len(held_out)))]
-        out = walked_tau(self.drafter, self.target, docs)
+        # Each answer is walked over its first eval.max_new_tokens tokens, the length the
+        # served eval measures (and a bound on the walk's cost for long documents).
+        out = walked_tau(self.drafter, self.target, docs, self.cfg.eval.max_new_tokens)
         out["seconds"] = time.perf_counter() - t0
         return out
 
