@@ -53,5 +53,11 @@ def run_ranks(
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"ranks did not finish within {timeout_s} s (a collective hung?)")
+        # What each rank printed before it was killed says where it stood.
+        tails = [
+            f"--- rank {r}:\n{(p.communicate()[0] or '')[-2000:]}" for r, p in enumerate(procs)
+        ]
+        pytest.fail(
+            f"ranks did not finish within {timeout_s} s (a collective hung?)\n" + "\n".join(tails)
+        )
     return [p.returncode for p in procs], outs
