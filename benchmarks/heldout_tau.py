@@ -29,7 +29,7 @@ from dflash_trainer.drafter_io import build_drafter
 from dflash_trainer.speculative import DFlashBlockDrafter
 from dflash_trainer.step import drafter_loss, prepare_blocks, run_target, settings_from_config
 from dflash_trainer.target import FrozenTarget, load_target_model
-from dflash_trainer.walk_eval import walked_tau
+from dflash_trainer.walk_eval import accepted_run, teacher_forced, walked_tau
 
 
 def split_metrics(
@@ -59,7 +59,7 @@ def split_metrics(
             blocks = prepare_blocks(tout, target, st, gen, torch.device("cpu"))
         res = drafter_loss(drafter, blocks, target.embed, target.lm_head_weight.float(), st)
         m = res.metrics
-        k = float(m["anchors"]) if "anchors" in m else float(blocks.anchors.real_N.sum())
+        k = float(m["anchors"])
         anchors += k
         tau_sum += float(m["exact_tau"]) * k
         print(f"{i}/{n} documents: tau {tau_sum / max(anchors, 1.0):.3f}", file=sys.stderr)
@@ -84,16 +84,11 @@ def tau_by_offset(
         d = data[j]
         ids = torch.from_numpy(d.input_ids.astype("int64"))
         first = int(d.loss_mask.nonzero()[0][0])
+        features, greedy = teacher_forced(target, ids)
         with torch.no_grad():
-            out = target.forward_documents([ids], need_final=True)
-            assert out.final_hidden_TH is not None
-            labels = target.argmax_at(out.final_hidden_TH)
             for a in range(first, len(ids) - block, stride):
-                adapter.start(ids[:a], out.features_TF[:a])
-                drafts = adapter(ids[: a + 1], None)
-                run = 0
-                while run < block - 1 and int(drafts[run]) == int(labels[a + run]):
-                    run += 1
+                adapter.start(ids[:a], features[:a])
+                run = accepted_run(adapter(ids[: a + 1], None), greedy, a, block - 1)
                 off = a - first
                 key = "0-63" if off < 64 else "64-127" if off < 128 else "128+"
                 buckets[key].append(run + 1)
@@ -119,10 +114,10 @@ def main() -> None:
         out[split] = split_metrics(
             PreparedDataset(args.data, split), args.docs, target, drafter, cfg, args.seed
         )
-    out["eval_by_answer_offset"] = tau_by_offset(
-        PreparedDataset(args.data, "eval"), args.offset_docs, target, drafter, args.stride
-    )
     held_out = PreparedDataset(args.data, "eval")
+    out["eval_by_answer_offset"] = tau_by_offset(
+        held_out, args.offset_docs, target, drafter, args.stride
+    )
     docs = [held_out[i] for i in range(min(args.offset_docs, len(held_out)))]
     for span in (128, None):
         out[f"eval_walk_first_{span or 'all'}"] = walked_tau(drafter, target, docs, span)

@@ -42,6 +42,16 @@ def make_spec(
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread: tiny models are pure Python overhead, and two threads on two shared
+    cores only contend. Modules of such tests set `pytestmark = pytest.mark.usefixtures(...)`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def spec() -> DrafterSpec:
     return make_spec(layers=2, layer_types=("sliding_attention", "full_attention"), window=3)
 

@@ -38,13 +38,7 @@ from dflash_trainer.prompts import load_prompt_set
 from dflash_trainer.speculative import Generation
 from dflash_trainer.target import FrozenTarget
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gen(tokens, accepted=(), decode_s=1.0, prefill_s=0.5, margins=None) -> Generation:

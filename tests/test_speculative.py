@@ -22,13 +22,7 @@ VOCAB = 101
 LAYER_IDS = (0, 2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models are pure Python overhead; two threads on two shared cores only contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_sliding() -> torch.nn.Module:

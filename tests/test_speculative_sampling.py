@@ -26,12 +26,7 @@ SAMPLES = 2000
 PROMPT = torch.tensor([1, 2, 3, 0, 1])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def peaked_target() -> FrozenTarget:

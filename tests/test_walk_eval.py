@@ -9,13 +9,7 @@ from test_speculative import OracleDrafter, make_target, prompt, random_dflash
 from dflash_trainer.speculative import generate
 from dflash_trainer.walk_eval import supervised_spans, walk_document, walked_tau
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_supervised_spans():

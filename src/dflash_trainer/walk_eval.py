@@ -37,6 +37,24 @@ def supervised_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
+def teacher_forced(target: FrozenTarget, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tapped features [T, F], target greedy prediction of token t+1 at each t [T]) of one
+    document, from one uncached forward."""
+    out = target.forward_documents([ids], need_final=True)
+    assert out.final_hidden_TH is not None
+    return out.features_TF, target.argmax_at(out.final_hidden_TH).to(ids.device)
+
+
+def accepted_run(drafts: torch.Tensor, greedy: torch.Tensor, anchor: int, limit: int) -> int:
+    """Drafts accepted from `anchor`: the longest prefix (at most `limit`) equal to the
+    target's greedy predictions at anchor, anchor+1, ..."""
+    run = 0
+    while run < limit and int(drafts[run]) == int(greedy[anchor + run]):
+        run += 1
+    return run
+
+
+@torch.no_grad()
 def walk_document(
     adapter: DFlashBlockDrafter,
     target: FrozenTarget,
@@ -46,9 +64,7 @@ def walk_document(
 ) -> list[int]:
     """Accepted drafts (0..B-1) of every step of the walk over one document."""
     ids = input_ids.to(target.device).long().view(-1)
-    out = target.forward_documents([ids], need_final=True)
-    assert out.final_hidden_TH is not None
-    greedy = target.argmax_at(out.final_hidden_TH).to(ids.device)  # [T]: prediction of t+1
+    features, greedy = teacher_forced(target, ids)
     block = adapter.block_size
     accepted: list[int] = []
     for start, end in supervised_spans(loss_mask.view(-1)):
@@ -58,15 +74,13 @@ def walk_document(
             end = min(end, start + max_answer_tokens)
         # As in serving: the drafter's context starts as the prompt's features and grows by
         # the features of the anchor and the accepted tokens after each step.
-        adapter.start(ids[:start], out.features_TF[:start])
+        adapter.start(ids[:start], features[:start])
         a, prev = start, start
         while a < end - 1:
-            drafts = adapter(ids[: a + 1], out.features_TF[prev:a] if a > prev else None)
+            drafts = adapter(ids[: a + 1], features[prev:a] if a > prev else None)
             prev = a
-            limit = min(block - 1, end - 1 - a)  # slots whose label lies in the stretch
-            run = 0
-            while run < limit and int(drafts[run]) == int(greedy[a + run]):
-                run += 1
+            # Only slots whose label lies in the stretch count.
+            run = accepted_run(drafts, greedy, a, min(block - 1, end - 1 - a))
             accepted.append(run)
             a += run + 1
     return accepted
