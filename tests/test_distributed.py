@@ -38,6 +38,9 @@ WORKER = textwrap.dedent(
 
 
 def _launch(tmp: Path, parallel: str, steps: int, world: int = 2, resume: bool = False):
+    # Write the tiny target and data here, once: two ranks writing them into one
+    # folder at the same time race (a rank may read the other's half-written file).
+    tiny_config(tmp)
     script = tmp / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     args = [str(tmp), parallel, str(steps), "1" if resume else "0"]

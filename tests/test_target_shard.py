@@ -127,6 +127,8 @@ TRAIN_WORKER = textwrap.dedent(
 
 def _launch(tmp: Path, script_text: str, args: list[str], world: int = 2) -> list[str]:
     """Run `script_text` as `world` gloo ranks; their outputs, or a failure naming a hang."""
+    # The tiny target and data are written here, once, not by the ranks at the same time.
+    tiny_config(tmp)
     script = tmp / f"worker_{abs(hash(script_text))}.py"
     script.write_text(script_text.format(tests=str(Path(__file__).parent)))
     rcs, outs = run_ranks(script, [str(tmp), *args], world, TIMEOUT_S)
@@ -136,7 +138,6 @@ def _launch(tmp: Path, script_text: str, args: list[str], world: int = 2) -> lis
 
 @pytest.mark.slow
 def test_sharded_target_equals_the_whole_one_with_uneven_micro_batches(tmp_path):
-    write_tiny_target(tmp_path / "target")
     outs = _launch(tmp_path, FORWARD_WORKER, [])
     assert all("RANK_OK" in out for out in outs), "\n".join(outs)
 

@@ -24,6 +24,7 @@ cache or share one autotuner (the seed's crash).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 from collections.abc import Iterator
@@ -99,6 +100,10 @@ def init_world(dcfg: DistributedConfig, device: str = "auto") -> World:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         dist.init_process_group(backend=backend, device_id=ddev if use_cuda else None)
+        # A process group still alive at interpreter exit lets gloo's worker threads be
+        # torn down while joinable, which aborts the rank ("terminate called without an
+        # active exception", exit -6) after a successful run: always close it on exit.
+        atexit.register(_destroy_at_exit)
     return World(rank, world_size, local_rank, tdev, ddev, target_gpus)
 
 
@@ -244,4 +249,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def shutdown(world: World) -> None:
     if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
