@@ -70,7 +70,10 @@ def test_dflash_eval_on_the_real_smollm2_target(tmp_path, capsys):
         "eval.md",
         "tau_per_set.png",
     ]
-    assert "| gsm8k | 2 | 2 |" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "| gsm8k | 2 | 2 |" in printed.out
+    # A progress bar over the prompts, with the running tau, on stderr.
+    assert "gsm8k: 100%" in printed.err and "2/2" in printed.err and "pooled_tau=" in printed.err
     assert drafter.is_dir()
 
 

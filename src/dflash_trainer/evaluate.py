@@ -143,6 +143,7 @@ def evaluate_prompts(
     stop_ids: Sequence[int] | None = None,
     prompt_ids: Sequence[str] | None = None,
     warmup: bool = False,
+    progress: str | None = None,
 ) -> dict[str, Any]:
     """Run the real speculative loop over conversations; measured tau and friends.
 
@@ -154,7 +155,10 @@ def evaluate_prompts(
     decode_tokens_per_s, and with baseline: speedup, lossless_mismatches) plus "responses".
     `warmup` first decodes the first prompt briefly with both loops, untimed, so one-off
     costs (CUDA context, kernel selection, allocator growth) land in neither measurement.
+    `progress` names a progress bar over the conversations (stderr), with the running tau.
     """
+    from tqdm import tqdm
+
     block, module = _block_drafter(drafter, target, block_size)
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
     greedy = eval_cfg.temperature == 0
@@ -175,7 +179,10 @@ def evaluate_prompts(
             short = {**kw, "max_new_tokens": min(16, eval_cfg.max_new_tokens)}
             for d in (block, None) if baseline else (block,):
                 generate(target, ids, d, generator=_generator(target.device, 0), **short)
-        for i, conversation in enumerate(prompts):
+        bar = tqdm(
+            prompts, desc=progress, disable=progress is None, unit="prompt", dynamic_ncols=True
+        )
+        for i, conversation in enumerate(bar):
             history: Messages = []
             for j, msg in enumerate(conversation):
                 history.append(dict(msg))
@@ -202,6 +209,9 @@ def evaluate_prompts(
                 rec["text"] = tokenizer.decode(g.tokens, skip_special_tokens=True)
                 responses.append(rec)
                 history.append({"role": "assistant", "content": rec["text"]})
+            steps = [a for g in spec_gens for a in g.accepted]
+            if steps:
+                bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
     return summarize(responses, spec_gens, base_gens, block.block_size, greedy)
 
 
@@ -431,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             prompt_ids=[p.id for p in ps.prompts],
             warmup=not results,  # the first set pays the one-off costs, untimed
+            progress=label,
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
         results[label] = res
