@@ -59,3 +59,43 @@ def test_cuda_bf16_mismatches_are_only_numerical_ties(kind):
         check = lossless_check(g, base)
         if not check["match"]:
             assert check["target_margin"] is not None and check["target_margin"] < 0.1, check
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_replay_the_static_loop_exactly(dtype):
+    """Captured graphs run the eager static shapes' kernels: the same tokens and drafts; in
+    fp32 both equal the dynamic loop's greedy output."""
+    from dflash_trainer.static_decode import StaticDFlashDrafter, StaticTargetRunner
+
+    target = cuda_target("llama", dtype)
+    dflash = random_dflash(target, 5)
+    dflash.model.to("cuda", dtype)
+    runs = {}
+    for graphs in (False, True):
+        runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=graphs)
+        drafter = StaticDFlashDrafter(dflash.model, target, 128, graphs=graphs)
+        runs[graphs] = [
+            generate(target, prompt(s).cuda(), drafter, max_new_tokens=48, runner=runner)
+            for s in range(3)
+        ] + [generate(target, prompt(0).cuda(), None, max_new_tokens=48, runner=runner)]
+    for eager, graphed in zip(runs[False], runs[True]):
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
+    if dtype == torch.float32:
+        dynamic = generate(target, prompt(0).cuda(), None, max_new_tokens=48)
+        assert runs[True][0].tokens == dynamic.tokens == runs[True][-1].tokens
+
+
+def test_cuda_eval_picks_graphs_and_stays_lossless():
+    from test_evaluate import CONVERSATIONS, GREEDY, word_tokenizer
+
+    from dflash_trainer.evaluate import evaluate_prompts
+
+    target = cuda_target("llama", torch.float32)
+    dflash = random_dflash(target, 4)
+    dflash.model.cuda()
+    res = evaluate_prompts(
+        dflash.model, target, word_tokenizer(), CONVERSATIONS, GREEDY, baseline=True,
+        decode="auto",
+    )  # fmt: skip
+    assert res["decode"] == "graphs"
+    assert res["lossless_mismatches"] == 0

@@ -51,6 +51,7 @@ from dflash_trainer.speculative import (
     generate,
     unwrap_module,
 )
+from dflash_trainer.static_decode import DECODE_MODES, DecodeEngines
 from dflash_trainer.target import FrozenTarget
 
 # ----------------------------------------------------------------------------- the eval loop
@@ -144,6 +145,7 @@ def evaluate_prompts(
     prompt_ids: Sequence[str] | None = None,
     warmup: bool = False,
     progress: str | None = None,
+    decode: str = "eager",
 ) -> dict[str, Any]:
     """Run the real speculative loop over conversations; measured tau and friends.
 
@@ -156,10 +158,21 @@ def evaluate_prompts(
     `warmup` first decodes the first prompt briefly with both loops, untimed, so one-off
     costs (CUDA context, kernel selection, allocator growth) land in neither measurement.
     `progress` names a progress bar over the conversations (stderr), with the running tau.
+    `decode` (static_decode.DECODE_MODES) picks how both loops run the models: "graphs"
+    replays CUDA graphs of fixed-size caches, "eager" runs HF's dynamic cache; the result's
+    "decode" says which ran.
     """
     from tqdm import tqdm
 
     block, module = _block_drafter(drafter, target, block_size)
+    engines = DecodeEngines(target, decode, module, block.block_size, block.needs_features)
+
+    def loops(ids: list[int], speculative: bool) -> dict[str, Any]:
+        """generate()'s drafter and runner for this prompt (both loops share the runner)."""
+        engines.ensure(len(ids) + eval_cfg.max_new_tokens + 2 * block.block_size)
+        d = (engines.drafter or block) if speculative else None
+        return {"drafter": d, "runner": engines.runner}
+
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
     greedy = eval_cfg.temperature == 0
     kw: dict[str, Any] = {
@@ -177,8 +190,10 @@ def evaluate_prompts(
             upto = next((j for j, m in enumerate(first) if m["role"] == "user"), len(first))
             ids = render_prompt(tokenizer, first[: upto + 1], eval_cfg.enable_thinking)
             short = {**kw, "max_new_tokens": min(16, eval_cfg.max_new_tokens)}
-            for d in (block, None) if baseline else (block,):
-                generate(target, ids, d, generator=_generator(target.device, 0), **short)
+            for spec in (True, False) if baseline else (True,):
+                generate(
+                    target, ids, generator=_generator(target.device, 0), **short, **loops(ids, spec)
+                )
         bar = tqdm(
             prompts, desc=progress, disable=progress is None, unit="prompt", dynamic_ncols=True
         )
@@ -192,12 +207,14 @@ def evaluate_prompts(
                 ids = render_prompt(tokenizer, history, eval_cfg.enable_thinking)
                 # One seed per response: the same turn samples alike in both runs.
                 gen = _generator(target.device, eval_cfg.seed + len(responses))
-                g = generate(target, ids, block, generator=gen, **kw)
+                g = generate(target, ids, generator=gen, **kw, **loops(ids, True))
                 spec_gens.append(g)
                 rec = _record(g, prompt_ids[i] if prompt_ids is not None else str(i), history)
                 if baseline:
                     gen = _generator(target.device, eval_cfg.seed + len(responses))
-                    b = generate(target, ids, None, generator=gen, record_margins=greedy, **kw)
+                    b = generate(
+                        target, ids, generator=gen, record_margins=greedy, **kw, **loops(ids, False)
+                    )
                     base_gens.append(b)
                     rec["baseline"] = {
                         "new_tokens": len(b.tokens),
@@ -212,7 +229,10 @@ def evaluate_prompts(
             steps = [a for g in spec_gens for a in g.accepted]
             if steps:
                 bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
-    return summarize(responses, spec_gens, base_gens, block.block_size, greedy)
+    return {
+        "decode": engines.mode,
+        **summarize(responses, spec_gens, base_gens, block.block_size, greedy),
+    }
 
 
 def _record(g: Generation, prompt_id: str, history: Messages) -> dict[str, Any]:
@@ -404,6 +424,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the target-only runs (no speedup, no lossless check)",
     )
+    p.add_argument(
+        "--decode",
+        choices=DECODE_MODES,
+        default="auto",
+        help="graphs: fixed-size caches replayed as CUDA graphs (both loops); eager: HF's "
+        "dynamic cache; static: graphs' shapes without graphs; auto: graphs on CUDA when the "
+        "target allows (attention-only, no sliding window), else eager",
+    )
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--out-dir", help="write eval.json, eval.md and PNG plots here")
     p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when the lossless check fails")  # fmt: skip
@@ -442,12 +470,14 @@ def run(args: argparse.Namespace) -> int:
             prompt_ids=[p.id for p in ps.prompts],
             warmup=not results,  # the first set pays the one-off costs, untimed
             progress=label,
+            decode=args.decode,
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
         results[label] = res
         print(
             f"dflash eval: {label}: tau {_num(res.get('tau'))}, speedup "
-            f"{_num(res.get('speedup'))}x ({time.perf_counter() - t0:.0f} s)",
+            f"{_num(res.get('speedup'))}x, decode {res['decode']} "
+            f"({time.perf_counter() - t0:.0f} s)",
             file=sys.stderr,
         )
         if partial is not None:

@@ -273,8 +273,40 @@ def _synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-class _TargetRunner:
-    """Incremental target forwards with optional taps; keeps TargetCache.length in step."""
+class TargetRunner(Protocol):
+    """Incremental target forwards for one sequence at a time (what `generate` drives).
+
+    Two implementations: `DynamicTargetRunner` below (an HF DynamicCache, cropped and, for
+    recurrent layers, restored and re-fed) and `static_decode.StaticTargetRunner` (a fixed-size
+    cache, optionally replayed as CUDA graphs).
+    """
+
+    forwards: int
+    """Target forwards since the last reset (generate resets it after the prefill)."""
+
+    def begin(self) -> None:
+        """Start a new sequence (the cache holds nothing)."""
+        ...
+
+    def forward(
+        self, ids_S: torch.Tensor, taps: bool, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [S or 1, V] fp32, features [S, F] or None) for the next S positions."""
+        ...
+
+    def after_prefill(self) -> None: ...
+
+    def snapshot(self, block: int) -> Any:
+        """What `rewind` needs to undo a verify forward of `block` tokens (or None)."""
+        ...
+
+    def rewind(self, block_S: torch.Tensor, kept: int, snapshot: Any) -> None:
+        """After feeding `block_S`, keep only its first `kept` tokens in the cache."""
+        ...
+
+
+class DynamicTargetRunner:
+    """`TargetRunner` over an HF DynamicCache; keeps TargetCache.length in step."""
 
     def __init__(self, target: FrozenTarget) -> None:
         self.target = target
@@ -282,10 +314,13 @@ class _TargetRunner:
         self.cache_kwarg = _cache_kwarg(target.model)
         self.forwards = 0
 
+    def begin(self) -> None:
+        self.cache = TargetCache(self.target.model)
+        self.forwards = 0
+
     def forward(
         self, ids_S: torch.Tensor, taps: bool, last_logits_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [S or 1, V] fp32, features [S, F] or None) at positions length..length+S-1."""
         start, s = self.cache.length, ids_S.numel()
         kwargs: dict[str, Any] = {
             "input_ids": ids_S.view(1, s),
@@ -307,8 +342,15 @@ class _TargetRunner:
         self.forwards += 1
         return out.logits[0].float(), feats
 
+    def after_prefill(self) -> None:
+        # Sliding layers keep the whole prompt until a crop trims them to the window; with
+        # transformers 5.17 the next forward's mask does not fit the untrimmed cache.
+        self.cache.crop_attention(0)
+
+    def snapshot(self, block: int) -> Any:
+        return self.cache.snapshot() if self.cache.has_recurrent and block > 1 else None
+
     def rewind(self, block_S: torch.Tensor, kept: int, snapshot: Any) -> None:
-        """After feeding `block_S`, keep only its first `kept` tokens in the cache."""
         removed = block_S.numel() - kept
         if not self.cache.has_recurrent:
             self.cache.crop_attention(removed)  # also trims sliding windows when removed == 0
@@ -341,10 +383,12 @@ def generate(
     stop_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     record_margins: bool = False,
+    runner: TargetRunner | None = None,
 ) -> Generation:
     """Speculative decoding with `drafter`, or target-only decoding when it is None.
 
-    `generator` (on the target's device) drives sampling when temperature > 0.
+    `generator` (on the target's device) drives sampling when temperature > 0. `runner`
+    (default: a new `DynamicTargetRunner`) runs the target; it is reset first.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -357,15 +401,15 @@ def generate(
     block = drafter.block_size if drafter is not None else 1
     taps = drafter is not None and drafter.needs_features
     stops = set(int(t) for t in stop_ids)
-    runner = _TargetRunner(target)
+    if runner is None:
+        runner = DynamicTargetRunner(target)
+    runner.begin()
     margins: list[torch.Tensor] = []
 
     sync()
     t0 = time.perf_counter()
     logits, feats = runner.forward(prompt, taps=taps, last_logits_only=True)
-    # Sliding layers keep the whole prompt until a crop trims them to the window; with
-    # transformers 5.17 the next forward's mask does not fit the untrimmed cache.
-    runner.cache.crop_attention(0)
+    runner.after_prefill()
     anchor = sample_tokens(logits[-1:], temperature, top_p, generator)
     if record_margins:
         margins.append(_margin(logits[-1]))
@@ -390,7 +434,7 @@ def generate(
             block_ids = torch.cat([seq[n - 1 : n], drafts])
         else:
             block_ids = seq[n - 1 : n]
-        snapshot = runner.cache.snapshot() if runner.cache.has_recurrent and block > 1 else None
+        snapshot = runner.snapshot(block)
         logits, feats = runner.forward(block_ids, taps=taps)
         posterior = sample_tokens(logits, temperature, top_p, generator)
         if record_margins:
