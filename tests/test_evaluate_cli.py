@@ -75,6 +75,17 @@ def test_dflash_eval_on_the_real_smollm2_target(tmp_path, capsys):
     # A progress bar over the prompts, with the running tau, on stderr.
     assert "gsm8k: 100%" in printed.err and "2/2" in printed.err and "pooled_tau=" in printed.err
     assert drafter.is_dir()
+    assert res["decode"] == "eager"  # auto on a CPU
+    # The static path (what CUDA graphs replay) on the real Llama target: the same tokens.
+    js2 = tmp_path / "static.json"
+    argv = ["eval", "--drafter", str(tmp_path / "run"), "--prompts", "gsm8k", "--max-samples"]
+    argv += ["2", "--max-new-tokens", "6", "--json", str(js2), "--device", "cpu"]
+    assert main([*argv, "--decode", "static", "--no-progress"]) == 0
+    static = json.loads(js2.read_text())["sets"]["gsm8k"]
+    assert static["decode"] == "static" and static["lossless_mismatches"] == 0
+    for a, b in zip(static["responses"], res["responses"]):
+        assert (a["text"], a["accepted"]) == (b["text"], b["accepted"])
+    assert "pooled_tau=" not in capsys.readouterr().err
 
 
 def test_a_drafter_without_a_recorded_target_asks_for_one(tmp_path, capsys):

@@ -432,6 +432,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "dynamic cache; static: graphs' shapes without graphs; auto: graphs on CUDA when the "
         "target allows (attention-only, no sliding window), else eager",
     )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (logs of detached jobs)"
+    )
     p.add_argument("--json", help="write the JSON report here")
     p.add_argument("--out-dir", help="write eval.json, eval.md and PNG plots here")
     p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when the lossless check fails")  # fmt: skip
@@ -469,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             prompt_ids=[p.id for p in ps.prompts],
             warmup=not results,  # the first set pays the one-off costs, untimed
-            progress=label,
+            progress=None if args.no_progress else label,
             decode=args.decode,
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
