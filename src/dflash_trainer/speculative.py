@@ -305,6 +305,18 @@ class TargetRunner(Protocol):
         ...
 
 
+def target_forward(
+    target: FrozenTarget, kwargs: dict[str, Any], taps: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One batch-1 target forward: (logits [S or kept, V] fp32, tapped features [S, F] or None)."""
+    if not taps:
+        return target.model(**kwargs).logits[0].float(), None
+    with target.taps() as captured:
+        out = target.model(**kwargs)
+        feats = target.features_of(captured)[0]
+    return out.logits[0].float(), feats
+
+
 class DynamicTargetRunner:
     """`TargetRunner` over an HF DynamicCache; keeps TargetCache.length in step."""
 
@@ -331,16 +343,10 @@ class DynamicTargetRunner:
         if last_logits_only:
             # The prefill needs one row of logits, not [P, V] (GBs for a 248k vocab).
             kwargs["logits_to_keep"] = 1
-        feats = None
-        if taps:
-            with self.target.taps() as captured:
-                out = self.target.model(**kwargs)
-                feats = self.target.features_of(captured)[0]
-        else:
-            out = self.target.model(**kwargs)
+        out = target_forward(self.target, kwargs, taps)
         self.cache.length += s
         self.forwards += 1
-        return out.logits[0].float(), feats
+        return out
 
     def after_prefill(self) -> None:
         # Sliding layers keep the whole prompt until a crop trims them to the window; with

@@ -40,7 +40,7 @@ from torch import nn
 
 from dflash_trainer.drafter import sdpa_attention
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.speculative import DFlashBlockDrafter, _cache_kwarg
+from dflash_trainer.speculative import DFlashBlockDrafter, _cache_kwarg, target_forward
 from dflash_trainer.target import FrozenTarget
 
 DECODE_MODES = ("auto", "graphs", "static", "eager")
@@ -209,14 +209,7 @@ class StaticTargetRunner:
         }
         if keep:
             kwargs["logits_to_keep"] = keep
-        feats = None
-        if taps:
-            with self.target.taps() as captured:
-                out = self.target.model(**kwargs)
-                feats = self.target.features_of(captured)[0]
-        else:
-            out = self.target.model(**kwargs)
-        return out.logits[0].float(), feats
+        return target_forward(self.target, kwargs, taps)
 
     # --- TargetRunner
 
