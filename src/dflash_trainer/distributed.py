@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -248,10 +249,23 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def shutdown(world: World) -> None:
-    if world.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+    if world.distributed:
+        _destroy_at_exit()
 
 
 def _destroy_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Close the process group once every rank got here.
+
+    Closing alone was not enough: a gloo rank that tears down its connections while a peer
+    is still tearing down its own can abort that peer at exit (exit -6, seen in CI). So the
+    ranks meet first. A peer that died makes the barrier time out; the group is closed
+    anyway.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        except RuntimeError:
+            pass
+    dist.destroy_process_group()
