@@ -25,8 +25,8 @@ LAYER_IDS = (0, 2)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_sliding() -> torch.nn.Module:
-    """A tiny qwen3 whose second layer is sliding-window attention (window 5)."""
+def tiny_qwen3(seed: int = 0, attn: str | None = None, **overrides) -> torch.nn.Module:
+    """A tiny qwen3 (full attention unless `overrides` add sliding layers)."""
     cfg = AutoConfig.for_model(
         "qwen3",
         hidden_size=32,
@@ -36,13 +36,22 @@ def tiny_sliding() -> torch.nn.Module:
         num_key_value_heads=2,
         head_dim=8,
         vocab_size=VOCAB,
+        max_position_embeddings=256,
+        **overrides,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+
+
+def tiny_sliding() -> torch.nn.Module:
+    """A tiny qwen3 whose second layer is sliding-window attention (window 5)."""
+    return tiny_qwen3(
         use_sliding_window=True,
         sliding_window=5,
         layer_types=["full_attention", "sliding_attention"] * 2,
-        max_position_embeddings=256,
     )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
 
 
 TARGETS = {"llama": tiny_llama, "qwen3_5": tiny_hybrid, "sliding": tiny_sliding}

@@ -13,14 +13,13 @@ import torch
 from test_evaluate import CONVERSATIONS, GREEDY, word_tokenizer
 from test_speculative import (
     LAYER_IDS,
-    VOCAB,
     OracleDrafter,
     drafter_spec,
     make_target,
     prompt,
     random_dflash,
+    tiny_qwen3,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_trainer.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
@@ -38,27 +37,11 @@ from dflash_trainer.target import FrozenTarget
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_qwen3(attn: str = "sdpa") -> FrozenTarget:
-    """A tiny qwen3 with full attention only (a static-path target besides llama)."""
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-    )
-    cfg._attn_implementation = attn
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
-    return FrozenTarget(model, LAYER_IDS)
-
-
 def static_target(kind: str) -> FrozenTarget:
-    return make_target("llama") if kind == "llama" else tiny_qwen3(kind.split("-")[1])
+    if kind == "llama":
+        return make_target("llama")
+    # A full-attention qwen3: a static-path target besides llama, with sdpa or eager attention.
+    return FrozenTarget(tiny_qwen3(seed=1, attn=kind.split("-")[1]), LAYER_IDS)
 
 
 def static_pair(target: FrozenTarget, block: int, capacity: int = 96, seed: int = 0):

@@ -104,7 +104,7 @@ def init_world(dcfg: DistributedConfig, device: str = "auto") -> World:
         # A process group still alive at interpreter exit lets gloo's worker threads be
         # torn down while joinable, which aborts the rank ("terminate called without an
         # active exception", exit -6) after a successful run: always close it on exit.
-        atexit.register(_destroy_at_exit)
+        atexit.register(_close_group)
     return World(rank, world_size, local_rank, tdev, ddev, target_gpus)
 
 
@@ -250,10 +250,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def shutdown(world: World) -> None:
     if world.distributed:
-        _destroy_at_exit()
+        _close_group()
 
 
-def _destroy_at_exit() -> None:
+def _close_group() -> None:
     """Close the process group once every rank got here.
 
     Closing alone was not enough: a gloo rank that tears down its connections while a peer

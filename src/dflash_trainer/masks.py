@@ -178,19 +178,26 @@ def build_block_mask(iv: Intervals, block: int = FLEX_BLOCK) -> Any:
 
 
 def inference_mask(
-    ctx_len: int, block_size: int, sliding_window: int | None, device: torch.device | str
+    ctx_len: int | torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device | str,
+    columns: int | None = None,
 ) -> torch.Tensor:
-    """Bool [B, ctx_len + B] for one block whose anchor follows `ctx_len` cached positions.
+    """Bool [B, C + B] for one block whose anchor follows `ctx_len` cached positions.
 
-    The cached context holds positions 0..a-1 of the current document (a = ctx_len).
+    The cached context holds positions 0..a-1 of the current document (a = ctx_len). C is
+    `columns` (default ctx_len): a fixed-size cache (static_decode.py) passes its capacity and
+    the anchor as a 0-d tensor, and the columns at or past the anchor are masked.
     """
+    cols = int(ctx_len) if columns is None else columns
     k = torch.arange(block_size, device=device)[:, None]
-    p = torch.arange(ctx_len, device=device)[None, :]
+    p = torch.arange(cols, device=device)[None, :]
     j = torch.arange(block_size, device=device)[None, :]
+    ctx_ok = (p < ctx_len).expand(block_size, cols)
     if sliding_window is None:
-        ctx_ok = torch.ones(block_size, ctx_len, dtype=torch.bool, device=device)
         blk_ok = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
     else:
-        ctx_ok = p > ctx_len + k - sliding_window
+        ctx_ok = ctx_ok & (p > ctx_len + k - sliding_window)
         blk_ok = (j > k - sliding_window) & (j <= k)
     return torch.cat([ctx_ok, blk_ok], dim=1)

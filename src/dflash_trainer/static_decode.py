@@ -30,6 +30,7 @@ speculative.DynamicTargetRunner, which crops its cache and re-feeds recurrent la
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from torch import nn
 
 from dflash_trainer.drafter import sdpa_attention
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.masks import inference_mask
 from dflash_trainer.speculative import DFlashBlockDrafter, _cache_kwarg, target_forward
 from dflash_trainer.target import FrozenTarget
 
@@ -180,13 +182,8 @@ class StaticTargetRunner:
                 raise DFlashError(f"a {s}-token forward does not fit a {capacity}-position cache")
             ids = torch.zeros(1, s, dtype=torch.long, device=dev)
             pos = torch.arange(s, device=dev)  # warm-up and capture write positions 0..s-1
-            replay = _Replay(self._bound(ids, pos, taps), graphs)
+            replay = _Replay(functools.partial(self._run, ids, pos, taps, 0), graphs)
             self._shapes[(s, taps)] = (ids, pos, replay)
-
-    def _bound(
-        self, ids: torch.Tensor, pos: torch.Tensor, taps: bool
-    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
-        return lambda: self._run(ids, pos, taps, 0)
 
     def _mask(self, pos_S: torch.Tensor) -> torch.Tensor:
         ok = self._cols[None, :] <= pos_S[:, None]  # [S, L]: key position <= query position
@@ -273,24 +270,7 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         self.anchor_pos = torch.zeros((), dtype=torch.long, device=dev)
         self.anchor_id = torch.zeros(1, dtype=torch.long, device=dev)
         self._slots = torch.arange(b, device=dev)
-        self._cols = torch.arange(capacity, device=dev)
         self._step = _Replay(self._draft, graphs)
-
-    def _masks(self) -> dict[str, torch.Tensor]:
-        """Per layer type, bool [B, L + B]: the rule of masks.inference_mask, from tensors."""
-        b, a = self.block_size, self.anchor_pos
-        k, p, j = self._slots[:, None], self._cols[None, :], self._slots[None, :]
-        out = {}
-        for kind in set(self.model.spec.layer_types):
-            window = self.model.spec.sliding_window if kind == "sliding_attention" else None
-            if window is None:
-                ctx = (p < a).expand(b, -1)
-                blk = torch.ones(b, b, dtype=torch.bool, device=p.device)
-            else:
-                ctx = (p < a) & (p > a + k - window)
-                blk = (j > k - window) & (j <= k)
-            out[kind] = torch.cat([ctx, blk], dim=1)
-        return out
 
     def _draft(self) -> torch.Tensor:
         m = self.model
@@ -303,9 +283,18 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         anchor_emb = self.target.embed(self.anchor_id).to(self.dtype)
         block = torch.cat([anchor_emb, self.mask_emb_1H.expand(self.block_size - 1, -1)])
         ctx = list(zip(self.keys, self.values))
-        hidden = m.run_layers(
-            block, ctx, self.anchor_pos + self._slots, self._masks(), sdpa_attention
-        )
+        spec = m.spec
+        masks = {
+            kind: inference_mask(
+                self.anchor_pos,
+                self.block_size,
+                spec.sliding_window if kind == "sliding_attention" else None,
+                self.anchor_pos.device,
+                columns=self.capacity,
+            )
+            for kind in set(spec.layer_types)
+        }
+        hidden = m.run_layers(block, ctx, self.anchor_pos + self._slots, masks, sdpa_attention)
         w = self.target.lm_head_weight
         return (hidden[1:].to(w.dtype) @ w.t()).argmax(-1)
 
