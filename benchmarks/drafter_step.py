@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.anchors import sample_anchors
 from dflash_trainer.config import load_config
-from dflash_trainer.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
-from dflash_trainer.geometry import resolve_drafter_spec
-from dflash_trainer.hf_configs import load_target_config
-from dflash_trainer.masks import build_intervals
-from dflash_trainer.packing import Pack, pack_documents
-from dflash_trainer.step import Blocks, StepSettings, drafter_loss
+from dflash_trainer.core.anchors import sample_anchors
+from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
+from dflash_trainer.core.geometry import resolve_drafter_spec
+from dflash_trainer.core.masks import build_intervals
+from dflash_trainer.core.packing import Pack, pack_documents
+from dflash_trainer.target.configs import load_target_config
+from dflash_trainer.train.step import Blocks, StepSettings, drafter_loss
 
 DEV = torch.device("cuda")
 

@@ -20,7 +20,7 @@ tar czf $OUT/call3.tgz -C $W out
 PYTHONPATH=/tmp/site:$PWD/src python3 - <<'PY'
 import os, shutil, torch
 from safetensors.torch import load_file, save_file
-from dflash_trainer.drafter_io import resolve_drafter_dir
+from dflash_trainer.formats.drafter_io import resolve_drafter_dir
 d = resolve_drafter_dir("/root/work/runs/long")
 sd = {k: v.to(torch.bfloat16) for k, v in load_file(str(d / "drafter.safetensors")).items()}
 save_file(sd, "/root/work/long_drafter_bf16.safetensors")

@@ -25,8 +25,8 @@ import torch
 
 from dflash_trainer.config import load_config, replace
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
-from dflash_trainer.hf_configs import load_target_config
-from dflash_trainer.trainer import Trainer
+from dflash_trainer.target.configs import load_target_config
+from dflash_trainer.train.trainer import Trainer
 
 
 def random_prepared(path: Path, vocab: int, mask_id: int, doc_len: int, n_docs: int) -> Path:
@@ -57,7 +57,7 @@ def _sync() -> None:
 
 
 def _plan(cfg: Any) -> Any:
-    from dflash_trainer import planner
+    from dflash_trainer.plan import planner
 
     try:
         return planner.predict(cfg, "h200")

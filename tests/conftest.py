@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_trainer.geometry import DrafterSpec
+from dflash_trainer.core.geometry import DrafterSpec
 
 
 def make_spec(

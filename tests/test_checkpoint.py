@@ -15,10 +15,10 @@ import torch
 from conftest import make_spec
 from trainer_utils import tiny_config
 
-from dflash_trainer.checkpoint import Checkpointer
-from dflash_trainer.drafter import DFlashDrafter
-from dflash_trainer.run_dir import read_metrics
-from dflash_trainer.trainer import Trainer
+from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.train.checkpoint import Checkpointer
+from dflash_trainer.train.run_dir import read_metrics
+from dflash_trainer.train.trainer import Trainer
 
 
 def _save(ck: Checkpointer, step: int, model: torch.nn.Module) -> str:
@@ -59,8 +59,8 @@ KILL_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_spec
     from test_checkpoint import _save
-    from dflash_trainer.checkpoint import Checkpointer
-    from dflash_trainer.drafter import DFlashDrafter
+    from dflash_trainer.train.checkpoint import Checkpointer
+    from dflash_trainer.core.drafter import DFlashDrafter
     torch.manual_seed(0)
     m = DFlashDrafter(make_spec())
     ck = Checkpointer({root!r})

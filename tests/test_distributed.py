@@ -12,8 +12,8 @@ from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 from trainer_utils import tiny_config
 
-from dflash_trainer.batching import Position, TokenBudgetBatcher
-from dflash_trainer.trainer import Trainer
+from dflash_trainer.train.batching import Position, TokenBudgetBatcher
+from dflash_trainer.train.trainer import Trainer
 
 WORKER = textwrap.dedent(
     """
@@ -21,7 +21,7 @@ WORKER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     from trainer_utils import tiny_config
-    from dflash_trainer.trainer import Trainer
+    from dflash_trainer.train.trainer import Trainer
     from dflash_trainer.errors import DFlashError
     tmp, parallel, steps, resume = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     cfg = tiny_config(tmp, distributed={{"data_parallel": parallel}},

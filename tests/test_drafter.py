@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import make_spec, random_docs
 
-from dflash_trainer.anchors import Anchors, block_input_ids, block_position_ids, sample_anchors
-from dflash_trainer.drafter import DFlashDrafter, sdpa_attention
-from dflash_trainer.masks import build_intervals, intervals_to_dense
-from dflash_trainer.packing import pack_documents
+from dflash_trainer.core.anchors import Anchors, block_input_ids, block_position_ids, sample_anchors
+from dflash_trainer.core.drafter import DFlashDrafter, sdpa_attention
+from dflash_trainer.core.masks import build_intervals, intervals_to_dense
+from dflash_trainer.core.packing import pack_documents
 
 
 def train_forward(model, pack, anchors, feats, emb_table):

@@ -17,9 +17,17 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.config import EvalConfig
-from dflash_trainer.drafter import DFlashDrafter
+from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.eval_report import (
+from dflash_trainer.eval.evaluate import (
+    check_compatible,
+    evaluate_prompts,
+    render_prompt,
+    split_target,
+    stop_token_ids,
+)
+from dflash_trainer.eval.prompts import load_prompt_set
+from dflash_trainer.eval.report import (
     acceptance_metrics,
     build_report,
     lossless_check,
@@ -27,16 +35,8 @@ from dflash_trainer.eval_report import (
     speed_metrics,
     write_all,
 )
-from dflash_trainer.evaluate import (
-    check_compatible,
-    evaluate_prompts,
-    render_prompt,
-    split_target,
-    stop_token_ids,
-)
-from dflash_trainer.prompts import load_prompt_set
-from dflash_trainer.speculative import Generation
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.eval.speculative import Generation
+from dflash_trainer.target.model import FrozenTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

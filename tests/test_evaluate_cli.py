@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_trainer.cli import main
-from dflash_trainer.drafter import DFlashDrafter
-from dflash_trainer.drafter_io import save_drafter_files
-from dflash_trainer.geometry import DrafterSpec
+from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.formats.drafter_io import save_drafter_files
 
 SMOLLM2 = {"name_or_path": "asset:smollm2-135m-instruct", "dtype": "float32"}
 
@@ -104,7 +104,7 @@ def test_missing_drafter_and_unknown_prompt_set_are_user_errors(tmp_path, capsys
 
 def test_a_zlab_export_evaluates_like_the_files_it_came_from(tmp_path):
     """--drafter accepts an export (through export.import_drafter) and --target a local dir."""
-    export = pytest.importorskip("dflash_trainer.export")
+    export = pytest.importorskip("dflash_trainer.formats.export")
     from test_evaluate import word_tokenizer
     from test_speculative import drafter_spec, make_target
 

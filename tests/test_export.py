@@ -11,10 +11,10 @@ from conftest import make_spec
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.cli import main
-from dflash_trainer.drafter import DFlashDrafter
-from dflash_trainer.drafter_io import load_drafter, save_drafter_files
+from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.export import export_drafter, import_drafter
+from dflash_trainer.formats.drafter_io import load_drafter, save_drafter_files
+from dflash_trainer.formats.export import export_drafter, import_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WEIGHTS = "model.safetensors"

@@ -11,10 +11,10 @@ from conftest import make_spec
 from safetensors.torch import load_file, save_file
 
 from dflash_trainer.cli import main
-from dflash_trainer.drafter import DFlashDrafter
-from dflash_trainer.drafter_io import save_drafter_files
-from dflash_trainer.export import export_drafter, target_info
-from dflash_trainer.export_check import check_export
+from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.formats.check import check_export
+from dflash_trainer.formats.drafter_io import save_drafter_files
+from dflash_trainer.formats.export import export_drafter, target_info
 
 SPEC = make_spec(layers=2, layer_types=("sliding_attention", "full_attention"), window=3)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash_trainer.loss import (
+from dflash_trainer.core.loss import (
     acceptance_metrics,
     decay_weights,
     dflash_loss,

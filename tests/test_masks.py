@@ -8,9 +8,9 @@ from conftest import make_spec, random_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trainer.anchors import block_position_ids, sample_anchors
-from dflash_trainer.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
-from dflash_trainer.masks import (
+from dflash_trainer.core.anchors import block_position_ids, sample_anchors
+from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
+from dflash_trainer.core.masks import (
     FLEX_BLOCK,
     build_block_mask,
     build_intervals,
@@ -18,7 +18,7 @@ from dflash_trainer.masks import (
     inference_mask,
     intervals_to_dense,
 )
-from dflash_trainer.packing import pack_documents
+from dflash_trainer.core.packing import pack_documents
 
 LAYOUTS = [[50, 37, 90], [300], [5, 5, 5, 200, 17], [129, 127, 1, 2]]
 
@@ -97,7 +97,7 @@ def test_inference_mask_matches_training_rule():
     ids, masks = random_docs([30])
     masks[0][:] = True
     pack = pack_documents(ids, masks)
-    from dflash_trainer.anchors import Anchors
+    from dflash_trainer.core.anchors import Anchors
 
     b = 4
     k = torch.arange(b)

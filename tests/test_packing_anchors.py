@@ -8,14 +8,14 @@ from conftest import random_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trainer.anchors import (
+from dflash_trainer.core.anchors import (
     block_input_ids,
     block_position_ids,
     data_labels,
     eligible_anchors,
     sample_anchors,
 )
-from dflash_trainer.packing import pack_documents
+from dflash_trainer.core.packing import pack_documents
 
 doc_lists = st.lists(
     st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=40),

@@ -10,12 +10,12 @@ import yaml
 from test_doctor import prepared_dataset
 
 from dflash_trainer import cli
-from dflash_trainer.batching import TokenBudgetBatcher
 from dflash_trainer.config import config_to_dict, load_config
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.hardware import PRESETS, get_hardware
-from dflash_trainer.planner import calibrate, data_stats, predict
-from dflash_trainer.workload import DataStats
+from dflash_trainer.plan.hardware import PRESETS, get_hardware
+from dflash_trainer.plan.planner import calibrate, data_stats, predict
+from dflash_trainer.plan.workload import DataStats
+from dflash_trainer.train.batching import TokenBudgetBatcher
 
 QWEN36 = "qwen3.6-27b"
 SEED_DATA = DataStats.uniform(902_016, 1500, 0.6, "test")

@@ -15,8 +15,10 @@ from conftest import make_spec, random_docs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_trainer.drafter import DFlashDrafter, count_parameters, sdpa_attention
-from dflash_trainer.flops import (
+from dflash_trainer.core.drafter import DFlashDrafter, count_parameters, sdpa_attention
+from dflash_trainer.core.masks import build_intervals, dense_reference, intervals_to_dense
+from dflash_trainer.core.packing import pack_documents
+from dflash_trainer.plan.flops import (
     describe_target,
     drafter_backward_flops,
     drafter_forward_flops,
@@ -24,11 +26,9 @@ from dflash_trainer.flops import (
     loss_flops,
     target_forward_flops,
 )
-from dflash_trainer.hf_configs import KNOWN_CONFIGS, config_from_dict
-from dflash_trainer.masks import build_intervals, dense_reference, intervals_to_dense
-from dflash_trainer.packing import pack_documents
-from dflash_trainer.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
-from dflash_trainer.workload import AttentionPairs, StepShape, count_pairs, synthetic_pack
+from dflash_trainer.plan.workload import AttentionPairs, StepShape, count_pairs, synthetic_pack
+from dflash_trainer.target.configs import KNOWN_CONFIGS, config_from_dict
+from dflash_trainer.train.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
 
 SPECS = [
     dict(
@@ -123,8 +123,8 @@ def test_visible_pairs_equal_the_dense_reference_mask(window):
     st = dataclasses.replace(_settings(spec, "ce"), max_anchors=40)
     pack = synthetic_pack([150, 90, 17, 260], 0.6, pad_to=None)
     n, rows, pairs = count_pairs(pack, st, window, seed=3)
-    from dflash_trainer.anchors import sample_anchors
-    from dflash_trainer.workload import FLEX_BLOCK
+    from dflash_trainer.core.anchors import sample_anchors
+    from dflash_trainer.plan.workload import FLEX_BLOCK
 
     anchors = sample_anchors(
         pack, 40, 8, torch.Generator().manual_seed(3), pad_to=None, pad_multiple=FLEX_BLOCK // 8
@@ -177,7 +177,7 @@ def test_target_forward_flops_match_flop_counter(name):
     """A right-padded batch through a real HF target (full attention and Gated DeltaNet)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.target import FrozenTarget
+    from dflash_trainer.target.model import FrozenTarget
 
     hub_id, over = TINY_TARGETS[name]
     cfg = config_from_dict({**KNOWN_CONFIGS[hub_id], **over, "eos_token_id": 1, "bos_token_id": 1})
@@ -210,7 +210,7 @@ def test_target_forward_flops_match_flop_counter(name):
 
 def test_qwen36_target_layout():
     from dflash_trainer.config import TargetConfig
-    from dflash_trainer.hf_configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     tm = describe_target(load_target_config(TargetConfig(name_or_path="Qwen/Qwen3.6-27B")))
     assert tm.kind_counts == {"linear_attention": 48, "full_attention": 16}

@@ -30,13 +30,13 @@ from conftest import make_spec, random_docs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from dflash_trainer import memory_model as M
 from dflash_trainer.config import TrainingConfig
-from dflash_trainer.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
-from dflash_trainer.optim import build_optimizer
-from dflash_trainer.packing import pack_documents
-from dflash_trainer.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
-from dflash_trainer.workload import StepShape
+from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
+from dflash_trainer.core.packing import pack_documents
+from dflash_trainer.plan import memory as M
+from dflash_trainer.plan.workload import StepShape
+from dflash_trainer.train.optim import build_optimizer
+from dflash_trainer.train.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
 
 
 def _spec():
@@ -319,10 +319,10 @@ def test_fsdp_target_keeps_a_share_of_its_layers_per_gpu():
     in tests/test_target_shard.py)."""
     from dflash_trainer.config import DistributedConfig, load_config
     from dflash_trainer.errors import DFlashError
-    from dflash_trainer.flops import describe_target
-    from dflash_trainer.hf_configs import load_target_config
-    from dflash_trainer.planner import predict
-    from dflash_trainer.workload import DataStats
+    from dflash_trainer.plan.flops import describe_target
+    from dflash_trainer.plan.planner import predict
+    from dflash_trainer.plan.workload import DataStats
+    from dflash_trainer.target.configs import load_target_config
 
     data = DataStats.uniform(902_016, 1500, 0.6, "test")
     # The recipe's pairs placement is the seed run's; sharding is colocated only.

@@ -13,10 +13,10 @@ import torch
 from test_target import tiny_hybrid, tiny_llama
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_trainer.drafter import DFlashDrafter
-from dflash_trainer.geometry import DrafterSpec
-from dflash_trainer.speculative import DFlashBlockDrafter, Generation, generate
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.eval.speculative import DFlashBlockDrafter, Generation, generate
+from dflash_trainer.target.model import FrozenTarget
 
 VOCAB = 101
 LAYER_IDS = (0, 2)

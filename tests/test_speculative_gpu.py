@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_speculative import OracleDrafter, make_target, prompt, random_dflash
 
-from dflash_trainer.eval_report import lossless_check
-from dflash_trainer.speculative import generate
+from dflash_trainer.eval.report import lossless_check
+from dflash_trainer.eval.speculative import generate
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ def test_cuda_bf16_mismatches_are_only_numerical_ties(kind):
 def test_cuda_graphs_replay_the_static_loop_exactly(dtype):
     """Captured graphs run the eager static shapes' kernels: the same tokens and drafts; in
     fp32 both equal the dynamic loop's greedy output."""
-    from dflash_trainer.static_decode import StaticDFlashDrafter, StaticTargetRunner
+    from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
 
     target = cuda_target("llama", dtype)
     dflash = random_dflash(target, 5)
@@ -88,7 +88,7 @@ def test_cuda_graphs_replay_the_static_loop_exactly(dtype):
 def test_cuda_eval_picks_graphs_and_stays_lossless():
     from test_evaluate import CONVERSATIONS, GREEDY, word_tokenizer
 
-    from dflash_trainer.evaluate import evaluate_prompts
+    from dflash_trainer.eval.evaluate import evaluate_prompts
 
     target = cuda_target("llama", torch.float32)
     dflash = random_dflash(target, 4)

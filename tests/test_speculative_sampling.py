@@ -17,8 +17,8 @@ import torch
 from test_speculative import OracleDrafter
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_trainer.speculative import generate, sample_tokens, target_probs, top_p_filter
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.eval.speculative import generate, sample_tokens, target_probs, top_p_filter
+from dflash_trainer.target.model import FrozenTarget
 
 V = 4
 TEMPERATURE, TOP_P = 1.0, 0.8

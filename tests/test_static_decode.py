@@ -21,18 +21,18 @@ from test_speculative import (
     tiny_qwen3,
 )
 
-from dflash_trainer.drafter import DFlashDrafter
+from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.evaluate import evaluate_prompts
-from dflash_trainer.speculative import DFlashBlockDrafter, generate
-from dflash_trainer.static_decode import (
+from dflash_trainer.eval.evaluate import evaluate_prompts
+from dflash_trainer.eval.speculative import DFlashBlockDrafter, generate
+from dflash_trainer.eval.static_decode import (
     DecodeEngines,
     StaticDFlashDrafter,
     StaticTargetRunner,
     resolve_decode,
     static_support,
 )
-from dflash_trainer.target import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,14 +18,14 @@ from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 from trainer_utils import tiny_config, write_tiny_target
 
-from dflash_trainer.batching import Position, TokenBudgetBatcher
 from dflash_trainer.config import ConfigError, DistributedConfig, TargetConfig
-from dflash_trainer.distributed import World, apply_target_sharding
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.step import _micro_batches, settings_from_config
-from dflash_trainer.target import FrozenTarget, load_target_model, spread_over_gpus
-from dflash_trainer.train_data import load_train_data
-from dflash_trainer.trainer import Trainer
+from dflash_trainer.target.model import FrozenTarget, load_target_model, spread_over_gpus
+from dflash_trainer.train.batching import Position, TokenBudgetBatcher
+from dflash_trainer.train.dataset import load_train_data
+from dflash_trainer.train.distributed import World, apply_target_sharding
+from dflash_trainer.train.step import _micro_batches, settings_from_config
+from dflash_trainer.train.trainer import Trainer
 
 TIMEOUT_S = 240
 
@@ -39,12 +39,12 @@ FORWARD_WORKER = textwrap.dedent(
     import torch
     from torch.distributed.tensor import DTensor
     from trainer_utils import tiny_config
-    from dflash_trainer import distributed as D
-    from dflash_trainer.flops import describe_target
-    from dflash_trainer.memory_model import target_memory
-    from dflash_trainer.step import _micro_batches, run_target, settings_from_config
-    from dflash_trainer.target import FrozenTarget, decoder_layers, load_target_model
-    from dflash_trainer.workload import StepShape
+    from dflash_trainer.train import distributed as D
+    from dflash_trainer.plan.flops import describe_target
+    from dflash_trainer.plan.memory import target_memory
+    from dflash_trainer.train.step import _micro_batches, run_target, settings_from_config
+    from dflash_trainer.target.model import FrozenTarget, decoder_layers, load_target_model
+    from dflash_trainer.plan.workload import StepShape
 
     tmp = Path(sys.argv[1])
     cfg = tiny_config(tmp, distributed={{"target_sharding": "fsdp"}})
@@ -107,7 +107,7 @@ TRAIN_WORKER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     from trainer_utils import tiny_config
-    from dflash_trainer.trainer import Trainer
+    from dflash_trainer.train.trainer import Trainer
 
     tmp, sharding, parallel, steps = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     name = f"run-{{sharding}}-{{parallel}}"

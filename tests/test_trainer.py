@@ -9,10 +9,10 @@ import pytest
 import torch
 from trainer_utils import tiny_config, write_prepared
 
-from dflash_trainer.checkpoint import Checkpointer
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.run_dir import read_metrics
-from dflash_trainer.trainer import Trainer
+from dflash_trainer.train.checkpoint import Checkpointer
+from dflash_trainer.train.run_dir import read_metrics
+from dflash_trainer.train.trainer import Trainer
 
 
 def losses(run_dir):

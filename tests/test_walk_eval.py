@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_speculative import OracleDrafter, make_target, prompt, random_dflash
 
-from dflash_trainer.speculative import generate
-from dflash_trainer.walk_eval import supervised_spans, walk_document, walked_tau
+from dflash_trainer.eval.speculative import generate
+from dflash_trainer.eval.walk import supervised_spans, walk_document, walked_tau
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

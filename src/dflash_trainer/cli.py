@@ -26,25 +26,30 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("dflash_trainer.train_cli", "train a drafter online against a frozen target"),
+    "train": Command("dflash_trainer.train.cli", "train a drafter online against a frozen target"),
     "plan": Command(
-        "dflash_trainer.planner", "FLOPs, time and memory per GPU of a run, before it starts"
+        "dflash_trainer.plan.report",
+        "FLOPs, time and memory per GPU of a run, before it starts",
+        add_arguments="add_plan_arguments",
+        run="run_plan",
     ),
-    "doctor": Command("dflash_trainer.doctor", "pre-flight checks of a config against its target"),
+    "doctor": Command(
+        "dflash_trainer.doctor.run", "pre-flight checks of a config against its target"
+    ),
     "eval": Command(
-        "dflash_trainer.evaluate", "speculative decoding: acceptance length and speedup"
+        "dflash_trainer.eval.evaluate", "speculative decoding: acceptance length and speedup"
     ),
     "export": Command(
-        "dflash_trainer.export", "write a drafter for vLLM / SGLang / z-lab / speculators"
+        "dflash_trainer.formats.export", "write a drafter for vLLM / SGLang / z-lab / speculators"
     ),
     "import": Command(
-        "dflash_trainer.export",
+        "dflash_trainer.formats.export",
         "read a published drafter (z-lab or speculators layout)",
         add_arguments="add_import_arguments",
         run="run_import",
     ),
     "data": Command("dflash_trainer.data.cli", "prepare, regenerate and inspect training data"),
-    "plot": Command("dflash_trainer.plots", "write PNG training curves of a run directory"),
+    "plot": Command("dflash_trainer.train.plots", "write PNG training curves of a run directory"),
 }
 
 

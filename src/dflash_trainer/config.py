@@ -7,7 +7,7 @@ dotted field name and the fix, because a typo that silently falls back to a defa
 is how multi-day runs go wrong.
 
 The drafter section holds *knobs*; the concrete drafter geometry is derived from
-the target's HF config by `dflash_trainer.geometry.resolve_drafter_spec`.
+the target's HF config by `dflash_trainer.core.geometry.resolve_drafter_spec`.
 """
 
 from __future__ import annotations

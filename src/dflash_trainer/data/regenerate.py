@@ -33,22 +33,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
 
 SETTINGS_THAT_MUST_MATCH = ("model", "temperature", "top_p", "max_new_tokens", "enable_thinking")
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    model: str
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    enable_thinking: bool | None = None
-    """Passed to the chat template (Qwen3-style); None leaves the template's default."""
-    backend: str = "hf"
-    seed: int = 0
 
 
 class Generator(Protocol):

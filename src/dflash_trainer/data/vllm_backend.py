@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_trainer.data.regenerate import GenerationSettings
+from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
 
 

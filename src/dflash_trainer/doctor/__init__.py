@@ -1,0 +1,1 @@
+"""`dflash doctor`: pre-flight checks of a config against its target and data, each with a fix."""

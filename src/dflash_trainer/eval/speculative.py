@@ -1,0 +1,485 @@
+"""Speculative decoding with a block drafter (DFLASH_SPEC.md section 7), batch 1.
+
+Shape legend: P = prompt tokens, N = committed tokens (prompt + generated), B = block size,
+S = tokens fed in one target forward, V = vocab, F = n_tapped * H_target.
+
+One step, with the anchor x_a (the last committed token, not yet fed to the target):
+
+    drafts d_1..d_{B-1} = drafter(committed ids, features committed since the last step)
+    logits = target([x_a, d_1..d_{B-1}])             one forward, positions a..a+B-1
+    t_i    = sample(logits[i])                        the target's own token after slot i
+    accepted = longest prefix with d_i == t_{i-1}     commit d_1..d_accepted, then t_accepted
+    rewind the target cache to the commit; the next anchor is t_accepted
+
+Exactness: every committed token is a t_i, drawn from the target's (temperature, top-p)
+distribution given exactly the committed prefix (slot i sees [x_a, d_1..d_i], and d_1..d_i
+were accepted, so they ARE the prefix). Samples after the first rejection are discarded,
+and that decision depends only on earlier samples, so the output is distributed exactly as
+target-only sampling; at temperature 0 it is the target's greedy output. For a greedy drafter
+this accept rule has the same acceptance probability as rejection sampling (p_target(d_i)).
+
+The target-only baseline is the same function with `drafter=None` (a block of the anchor
+alone, no taps), so the speedup compares two runs of one implementation.
+
+Rewinding the target cache: attention layers are cropped. Recurrent layers (Gated DeltaNet
+in qwen3_5 / Qwen3.6, with a recurrent and a conv state) cannot be cropped: their state
+after the verify forward has absorbed the rejected drafts. Before each verify the loop
+snapshots those states (fixed size: they do not grow with the context), and after a partial
+acceptance it restores them, crops the attention layers back to the anchor, and re-feeds the
+committed tokens [x_a, d_1..d_accepted] in one extra forward. A fully accepted block needs
+no re-feed. Sliding-window attention layers are told to keep their past until cropped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.target.model import FrozenTarget
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def top_p_filter(probs_SV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Renormalised nucleus: the smallest set of most likely tokens whose mass reaches top_p."""
+    if top_p >= 1.0:
+        return probs_SV
+    sorted_p, order = probs_SV.sort(dim=-1, descending=True)
+    # A token stays when the mass strictly before it is below top_p: the token that
+    # crosses the threshold is kept, so the set is never empty.
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs_SV * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def target_probs(logits_SV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution the target samples from (temperature > 0), fp32."""
+    probs = torch.softmax(logits_SV.float() / temperature, dim=-1)
+    return top_p_filter(probs, top_p)
+
+
+def sample_tokens(
+    logits_SV: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """One token per row: argmax at temperature 0, else a sample of `target_probs`."""
+    if temperature == 0:
+        return logits_SV.argmax(-1)
+    probs = target_probs(logits_SV, temperature, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- drafters
+
+
+class BlockDrafter(Protocol):
+    """What the loop needs from a drafter (the DFlash model, or a test oracle).
+
+    The loop calls `start` once after the target prefill, then `__call__` once per step.
+    `ids_N` holds every committed token; its last one is the anchor, at position N-1.
+    `new_features_SF` are the target's tapped features of the committed tokens not yet
+    given (positions N-1-S .. N-2), or None when `needs_features` is False.
+    """
+
+    block_size: int
+    needs_features: bool
+
+    def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None: ...
+
+    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
+        """block_size - 1 drafted token ids (a 1-D long tensor on the target's device)."""
+        ...
+
+
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """The DFlashDrafter inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+class DFlashBlockDrafter:
+    """A `DFlashDrafter` as a `BlockDrafter`: cached context K/V, greedy drafts.
+
+    Block tokens are embedded and drafts decoded with the target's own embed_tokens and
+    lm_head (shared, frozen). `block_size` may be smaller than the trained one (fewer slots).
+    """
+
+    needs_features = True
+
+    def __init__(self, model: nn.Module, target: FrozenTarget, block_size: int | None = None):
+        self.model: Any = cast(Any, unwrap_module(model))
+        spec: DrafterSpec = self.model.spec
+        self.block_size: int = spec.block_size if block_size is None else block_size
+        if not 2 <= self.block_size <= spec.block_size:
+            raise DFlashError(
+                f"block size {self.block_size}: must be in 2..{spec.block_size} (the drafter "
+                "was trained with that block size; use the target-only loop for 1)"
+            )
+        self.target = target
+        self.dtype = next(self.model.parameters()).dtype
+        mask = torch.tensor([spec.mask_token_id], device=target.device)
+        self.mask_emb_1H = target.embed(mask).to(self.dtype)
+        self.cache: Any = None
+
+    def _extend(self, features_SF: torch.Tensor | None) -> None:
+        assert features_SF is not None, "DFlash drafting needs the target's tapped features"
+        n, s = self.cache.length, features_SF.shape[0]
+        positions = torch.arange(n, n + s, device=features_SF.device)
+        self.model.extend_cache(self.cache, features_SF.to(self.dtype), positions)
+
+    def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None:
+        self.cache = self.model.new_cache()
+        self._extend(features_PF)
+
+    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
+        if new_features_SF is not None:  # None on the first step: start() took the prompt's
+            self._extend(new_features_SF)
+        anchor_emb = self.target.embed(ids_N[-1:]).to(self.dtype)
+        block = torch.cat([anchor_emb, self.mask_emb_1H.expand(self.block_size - 1, -1)])
+        hidden_BH = self.model.step(self.cache, block, ids_N.numel() - 1)
+        w = self.target.lm_head_weight
+        return (hidden_BH[1:].to(w.dtype) @ w.t()).argmax(-1)
+
+
+# ----------------------------------------------------------------------------- target cache
+
+
+def _is_recurrent(layer: Any) -> bool:
+    return hasattr(layer, "recurrent_states")
+
+
+class TargetCache:
+    """An HF `DynamicCache` for the target plus the rewind the loop needs (module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        self.hf: Any = DynamicCache(config=model.config)
+        layers = list(getattr(self.hf, "layers", []))
+        if not layers:
+            raise DFlashError(
+                f"{type(model).__name__}: transformers built no per-layer cache from its config; "
+                "the speculative loop needs transformers >= 5.17"
+            )
+        for layer in layers:
+            if _is_recurrent(layer) and isinstance(layer, DynamicLayer):
+                raise DFlashError(
+                    f"{type(model).__name__}: a cache layer ({type(layer).__name__}) mixes "
+                    "recurrent and attention states; the speculative loop cannot rewind it yet"
+                )
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                # Without this, tokens evicted from the window by a verify forward are lost
+                # and a later crop cannot bring them back.
+                layer.activate_past_recording()
+        self.recurrent = [layer for layer in layers if _is_recurrent(layer)]
+        self.attention = [layer for layer in layers if not _is_recurrent(layer)]
+        self.length = 0
+        """Tokens the cache has absorbed."""
+
+    @property
+    def has_recurrent(self) -> bool:
+        return bool(self.recurrent)
+
+    def snapshot(self) -> list[dict[str, dict[int, torch.Tensor]]]:
+        """Copies of the recurrent layers' states (fixed size: ~150 MB fp32 for Qwen3.6-27B)."""
+        snap = []
+        for layer in self.recurrent:
+            snap.append(
+                {
+                    name: {
+                        k: v.clone()
+                        for k, v in getattr(layer, name).items()
+                        if isinstance(v, torch.Tensor)
+                    }
+                    for name in ("conv_states", "recurrent_states")
+                }
+            )
+        return snap
+
+    def restore(self, snap: list[dict[str, dict[int, torch.Tensor]]]) -> None:
+        for layer, states in zip(self.recurrent, snap):
+            for name, saved in states.items():
+                current = getattr(layer, name)
+                for k, v in saved.items():
+                    cur = current.get(k)
+                    if isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                        cur.copy_(v)  # in place: the layer may hold this tensor's address
+                    else:
+                        current[k] = v
+
+    def crop_attention(self, tokens_to_remove: int) -> None:
+        """Drop the last tokens of every attention layer (and trim sliding windows)."""
+        for layer in self.attention:
+            layer.crop(-tokens_to_remove)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class Generation:
+    """One response of `generate`."""
+
+    prompt_len: int
+    tokens: list[int]
+    """Generated ids, cut after the first stop id and at max_new_tokens."""
+    accepted: list[int]
+    """Per step: drafts accepted (0..B-1); tau of the step = accepted + 1."""
+    block_size: int
+    prefill_s: float
+    """Target prefill + first token + the drafter's prompt context (excluded from TPOT)."""
+    decode_s: float
+    stop_reason: str
+    """'stop_id' or 'max_new_tokens'."""
+    target_forwards: int
+    """Decode-phase target forwards, re-feeds of hybrid targets included."""
+    margins: list[float] | None = field(default=None, repr=False)
+    """Greedy only, when asked: top-1 minus top-2 logit of the target at each generated token."""
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced after the first one (which the prefill produces)."""
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.24 keeps the old name deprecated)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+class TargetRunner(Protocol):
+    """Incremental target forwards for one sequence at a time (what `generate` drives).
+
+    Two implementations: `DynamicTargetRunner` below (an HF DynamicCache, cropped and, for
+    recurrent layers, restored and re-fed) and `static_decode.StaticTargetRunner` (a fixed-size
+    cache, optionally replayed as CUDA graphs).
+    """
+
+    forwards: int
+    """Target forwards since the last reset (generate resets it after the prefill)."""
+
+    def begin(self) -> None:
+        """Start a new sequence (the cache holds nothing)."""
+        ...
+
+    def forward(
+        self, ids_S: torch.Tensor, taps: bool, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [S or 1, V] fp32, features [S, F] or None) for the next S positions."""
+        ...
+
+    def after_prefill(self) -> None: ...
+
+    def snapshot(self, block: int) -> Any:
+        """What `rewind` needs to undo a verify forward of `block` tokens (or None)."""
+        ...
+
+    def rewind(self, block_S: torch.Tensor, kept: int, snapshot: Any) -> None:
+        """After feeding `block_S`, keep only its first `kept` tokens in the cache."""
+        ...
+
+
+def target_forward(
+    target: FrozenTarget, kwargs: dict[str, Any], taps: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One batch-1 target forward: (logits [S or kept, V] fp32, tapped features [S, F] or None)."""
+    if not taps:
+        return target.model(**kwargs).logits[0].float(), None
+    with target.taps() as captured:
+        out = target.model(**kwargs)
+        feats = target.features_of(captured)[0]
+    return out.logits[0].float(), feats
+
+
+class DynamicTargetRunner:
+    """`TargetRunner` over an HF DynamicCache; keeps TargetCache.length in step."""
+
+    def __init__(self, target: FrozenTarget) -> None:
+        self.target = target
+        self.cache = TargetCache(target.model)
+        self.cache_kwarg = _cache_kwarg(target.model)
+        self.forwards = 0
+
+    def begin(self) -> None:
+        self.cache = TargetCache(self.target.model)
+        self.forwards = 0
+
+    def forward(
+        self, ids_S: torch.Tensor, taps: bool, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        start, s = self.cache.length, ids_S.numel()
+        kwargs: dict[str, Any] = {
+            "input_ids": ids_S.view(1, s),
+            "position_ids": torch.arange(start, start + s, device=ids_S.device)[None],
+            self.cache_kwarg: self.cache.hf,
+            "use_cache": True,
+        }
+        if last_logits_only:
+            # The prefill needs one row of logits, not [P, V] (GBs for a 248k vocab).
+            kwargs["logits_to_keep"] = 1
+        out = target_forward(self.target, kwargs, taps)
+        self.cache.length += s
+        self.forwards += 1
+        return out
+
+    def after_prefill(self) -> None:
+        # Sliding layers keep the whole prompt until a crop trims them to the window; with
+        # transformers 5.17 the next forward's mask does not fit the untrimmed cache.
+        self.cache.crop_attention(0)
+
+    def snapshot(self, block: int) -> Any:
+        return self.cache.snapshot() if self.cache.has_recurrent and block > 1 else None
+
+    def rewind(self, block_S: torch.Tensor, kept: int, snapshot: Any) -> None:
+        removed = block_S.numel() - kept
+        if not self.cache.has_recurrent:
+            self.cache.crop_attention(removed)  # also trims sliding windows when removed == 0
+            self.cache.length -= removed
+            return
+        if removed == 0:
+            self.cache.crop_attention(0)
+            return
+        self.cache.restore(snapshot)
+        self.cache.crop_attention(block_S.numel())
+        self.cache.length -= block_S.numel()
+        self.forward(block_S[:kept], taps=False, last_logits_only=True)
+        self.cache.crop_attention(0)
+
+
+def _margin(logits_V: torch.Tensor) -> torch.Tensor:
+    top2 = logits_V.topk(2).values
+    return top2[0] - top2[1]
+
+
+@torch.no_grad()
+def generate(
+    target: FrozenTarget,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    drafter: BlockDrafter | None = None,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    record_margins: bool = False,
+    runner: TargetRunner | None = None,
+) -> Generation:
+    """Speculative decoding with `drafter`, or target-only decoding when it is None.
+
+    `generator` (on the target's device) drives sampling when temperature > 0. `runner`
+    (default: a new `DynamicTargetRunner`) runs the target; it is reset first.
+    """
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    dev = target.device
+    sync = _synchronizer(dev)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).to(dev).view(-1)
+    p = prompt.numel()
+    if p == 0:
+        raise DFlashError("empty prompt: the loop needs at least one prompt token")
+    block = drafter.block_size if drafter is not None else 1
+    taps = drafter is not None and drafter.needs_features
+    stops = set(int(t) for t in stop_ids)
+    if runner is None:
+        runner = DynamicTargetRunner(target)
+    runner.begin()
+    margins: list[torch.Tensor] = []
+
+    sync()
+    t0 = time.perf_counter()
+    logits, feats = runner.forward(prompt, taps=taps, last_logits_only=True)
+    runner.after_prefill()
+    anchor = sample_tokens(logits[-1:], temperature, top_p, generator)
+    if record_margins:
+        margins.append(_margin(logits[-1]))
+    if drafter is not None:
+        drafter.start(prompt, feats)
+    seq = torch.empty(p + max_new_tokens + block, dtype=torch.long, device=dev)
+    seq[:p] = prompt
+    seq[p] = anchor[0]
+    generated = [int(anchor[0])]  # one host sync per step, this one included
+    sync()
+    t1 = time.perf_counter()
+    runner.forwards = 0
+
+    n = p + 1  # committed tokens; the anchor seq[n-1] is not in the target cache yet
+    accepted_steps: list[int] = []
+    new_feats: torch.Tensor | None = None
+    stopped = generated[0] in stops
+    while len(generated) < max_new_tokens and not stopped:
+        if drafter is not None:
+            drafts = drafter(seq[:n], new_feats).to(dev).view(-1)
+            assert drafts.numel() == block - 1, "a drafter must return block_size - 1 ids"
+            block_ids = torch.cat([seq[n - 1 : n], drafts])
+        else:
+            block_ids = seq[n - 1 : n]
+        snapshot = runner.snapshot(block)
+        logits, feats = runner.forward(block_ids, taps=taps)
+        posterior = sample_tokens(logits, temperature, top_p, generator)
+        if record_margins:
+            margins.extend(_margin(row) for row in logits)
+        host = torch.cat([block_ids[1:], posterior]).tolist()
+        drafted, post = host[: block - 1], host[block - 1 :]
+        acc = 0
+        while acc < block - 1 and drafted[acc] == post[acc]:
+            acc += 1
+        seq[n : n + acc] = block_ids[1 : acc + 1]
+        seq[n + acc] = posterior[acc]
+        n += acc + 1
+        accepted_steps.append(acc)
+        new = post[: acc + 1]
+        generated.extend(new)
+        if record_margins:
+            # Keep the margins of committed slots only (the rest saw rejected drafts).
+            del margins[len(margins) - block + acc + 1 :]
+        if feats is not None:
+            new_feats = feats[: acc + 1]
+        runner.rewind(block_ids, acc + 1, snapshot)
+        stopped = bool(stops.intersection(new))
+    sync()
+    t2 = time.perf_counter()
+
+    tokens = generated[:max_new_tokens]
+    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if cut is not None:
+        tokens = tokens[: cut + 1]
+    return Generation(
+        prompt_len=p,
+        tokens=tokens,
+        accepted=accepted_steps,
+        block_size=block,
+        prefill_s=t1 - t0,
+        decode_s=t2 - t1,
+        stop_reason="stop_id" if cut is not None else "max_new_tokens",
+        target_forwards=runner.forwards,
+        margins=[float(m) for m in torch.stack(margins).tolist()][: len(tokens)]
+        if record_margins
+        else None,
+    )

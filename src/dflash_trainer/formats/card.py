@@ -1,0 +1,122 @@
+"""The README.md model card of an export: what it drafts for, how it was trained,
+the acceptance it measured, and the exact commands that serve it.
+
+Everything comes from the drafter's `meta.json`; a key the trainer did not write is
+reported as unknown rather than guessed. Serve commands were read from vLLM's and
+SGLang's DFlash code (see docs/formats.md for the versions).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer import __version__
+from dflash_trainer.core.geometry import DrafterSpec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id(name: str | None) -> str | None:
+    """`name` when it looks like a hub repo id (owner/name), not a path or asset."""
+    if not name or not _HUB_ID.match(name) or Path(name).exists():
+        return None
+    return name
+
+
+def serve_commands(fmt: str, out: str, target: str | None, spec: DrafterSpec) -> dict[str, str]:
+    """Engine -> shell command serving the export at `out` next to `target`."""
+    tgt = target or "TARGET_MODEL"
+    spec_cfg = json.dumps(
+        {"method": "dflash", "model": out, "num_speculative_tokens": spec.block_size - 1}
+    )
+    mixed = len(set(spec.layer_types)) > 1
+    # vLLM runs a drafter with both sliding and full layers only on its V2 runner.
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed else ""
+    vllm = f"{env}vllm serve {tgt} \\\n  --speculative-config '{spec_cfg}'"
+    cmds: dict[str, str] = {}
+    if fmt == "speculators":
+        cmds["vLLM (target read from speculators_config)"] = f"{env}vllm serve {out}"
+        cmds["vLLM (explicit target)"] = vllm
+        return cmds
+    cmds["vLLM"] = vllm
+    cmds["SGLang"] = (
+        f"python -m sglang.launch_server --model-path {tgt} \\\n"
+        f"  --speculative-algorithm DFLASH \\\n"
+        f"  --speculative-draft-model-path {out} \\\n"
+        # SGLang counts the anchor: its draft-token count is the block size.
+        f"  --speculative-num-draft-tokens {spec.block_size}"
+    )
+    cmds["z-lab transformers"] = (
+        "from dflash.model import DFlashDraftModel  # z-lab/dflash, no remote code\n"
+        f'draft = DFlashDraftModel.from_pretrained("{out}", dtype="auto").eval()'
+    )
+    return cmds
+
+
+def _value(d: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _json_block(title: str, value: Any) -> list[str]:
+    if not value:
+        return [f"## {title}", "", "Not recorded in the drafter's meta.json.", ""]
+    text = json.dumps(value, indent=2, sort_keys=True, default=str)
+    return [f"## {title}", "", "```json", text, "```", ""]
+
+
+def model_card(
+    spec: DrafterSpec, meta: dict[str, Any], fmt: str, out: str, target: str | None
+) -> str:
+    tau = _value(meta, "eval", "tau")
+    base = hub_id(target)
+    lines = ["---"]
+    if base:
+        lines.append(f"base_model: {base}")
+    lines += ["tags:", "- dflash", "- speculative-decoding", "- draft-model", "---", ""]
+    lines += [f"# DFlash drafter for {target or 'an unrecorded target'}", ""]
+    layout = "z-lab / vLLM / SGLang" if fmt == "zlab" else "speculators (vLLM)"
+    lines += [f"Exported by dflash-trainer {__version__} in the {layout} layout.", ""]
+    gguf = _value(meta, "target", "gguf_file")
+    lines += ["## Target", "", f"- name_or_path: `{target}`"]
+    if gguf:
+        lines.append(f"- gguf_file: `{gguf}`")
+    lines += [""]
+    types = ", ".join(f"{spec.layer_types.count(t)}x {t}" for t in sorted(set(spec.layer_types)))
+    lines += [
+        "## Drafter",
+        "",
+        f"- {spec.num_layers} layers ({types}), sliding_window {spec.sliding_window}",
+        f"- hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
+        f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, "
+        f"head_dim {spec.head_dim}, rope_theta {spec.rope_theta:g}",
+        f"- block_size {spec.block_size} ({spec.block_size - 1} drafted tokens per step), "
+        f"mask_token_id {spec.mask_token_id}",
+        f"- target_layer_ids {list(spec.target_layer_ids)} of {spec.num_target_hidden_layers} "
+        "(0-based decoder layers)",
+        "",
+    ]
+    lines += [f"Training step: {meta.get('step', 'not recorded')}", ""]
+    lines += _json_block("Training recipe", meta.get("training"))
+    lines += _json_block("Training data", meta.get("data"))
+    lines += ["## Measured acceptance", ""]
+    if tau is not None:
+        lines += [f"Mean acceptance length tau = {tau} (tokens per target step).", ""]
+        details = json.dumps(meta.get("eval"), indent=2, sort_keys=True, default=str)
+        lines += ["```json", details, "```", ""]
+    else:
+        lines += ["Not measured yet: run `dflash eval` on this drafter.", ""]
+    lines += ["## Serve", ""]
+    for engine, cmd in serve_commands(fmt, out, target, spec).items():
+        lang = "python" if "transformers" in engine else "bash"
+        lines += [f"{engine}:", "", f"```{lang}", cmd, "```", ""]
+    source = _value(meta, "source", "path")
+    if source:
+        lines += [f"Imported from `{source}` ({_value(meta, 'source', 'format')} layout).", ""]
+    return "\n".join(lines)

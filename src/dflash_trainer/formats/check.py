@@ -1,0 +1,159 @@
+"""`dflash export --check`: validate an exported drafter directory.
+
+Three groups of checks: the config on its own and against the target's HF config
+(export_check_config.py), then the tensors against the names and shapes the config
+implies, their dtype, and NaN/inf. The importer is lenient (it fills defaults with a
+warning); this is strict, because an engine fills the same defaults silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.check_config import (
+    DTYPES,
+    CheckReport,
+    ConfigView,
+    Problem,
+    check_geometry,
+    check_speculators_config,
+    check_target,
+    check_zlab_config,
+)
+from dflash_trainer.formats.speculators import (
+    VERIFIER_TENSORS,
+    VOCAB_MAP_TENSORS,
+    spec_from_speculators_config,
+)
+from dflash_trainer.formats.weights import weight_files
+from dflash_trainer.formats.zlab import expected_tensor_shapes, spec_from_zlab_config
+
+__all__ = ["DTYPES", "CheckReport", "Problem", "check_export", "read_config"]
+
+
+# ------------------------------------------------------------------------ tensors
+
+
+def _check_tensors(
+    d: Path, spec: DrafterSpec | None, fmt: str, cfg_dtype: Any, r: CheckReport
+) -> None:
+    try:
+        files = weight_files(d)
+    except DFlashError as e:
+        r.error("model.safetensors", str(e), "export again with `dflash export`")
+        return
+    expected = expected_tensor_shapes(spec) if spec is not None else {}
+    seen: set[str] = set()
+    dtypes: set[torch.dtype] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                seen.add(name)
+                tensor = sf.get_tensor(name)
+                _check_one(name, tensor, expected, fmt, r)
+                if name not in VERIFIER_TENSORS | VOCAB_MAP_TENSORS:
+                    dtypes.add(tensor.dtype)
+    for name in sorted(set(expected) - seen):
+        r.error(
+            name,
+            f"missing (shape {list(expected[name])} expected)",
+            "export from the full drafter state dict",
+        )
+    if len(dtypes) > 1:
+        r.error("tensors", f"mixed dtypes {sorted(map(str, dtypes))}", "store one dtype")
+    elif dtypes and cfg_dtype in DTYPES and DTYPES[cfg_dtype] not in dtypes:
+        r.error(
+            "dtype",
+            f"config says {cfg_dtype} but tensors are {next(iter(dtypes))}",
+            "write the stored dtype in config.json",
+        )
+
+
+def _check_one(
+    name: str, tensor: torch.Tensor, expected: dict[str, tuple[int, ...]], fmt: str, r: CheckReport
+) -> None:
+    if name in VERIFIER_TENSORS:
+        fix = "drop it: engines use the target's embed_tokens / lm_head"
+        if fmt == "zlab":
+            r.error(name, "the z-lab layout carries no embed_tokens / lm_head", fix)
+        else:
+            r.warn(name, "vLLM uses this copy instead of the target's own", fix)
+        return
+    if name in VOCAB_MAP_TENSORS:
+        r.error(name, "reduced draft vocabulary mapping", "export the full vocabulary")
+        return
+    if expected and name not in expected:
+        r.error(
+            name,
+            "not part of the layout the config implies",
+            "remove it (engines reject or ignore unknown weights)",
+        )
+    elif expected and tuple(tensor.shape) != expected[name]:
+        r.error(
+            name,
+            f"shape {list(tensor.shape)} but the config implies {list(expected[name])}",
+            "config.json and the weights disagree: re-export",
+        )
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        r.error(name, "contains NaN or inf", "export an earlier checkpoint (training diverged)")
+
+
+# ------------------------------------------------------------------------ entry
+
+
+def read_config(d: Path) -> dict[str, Any]:
+    path = d / "config.json"
+    if not path.is_file():
+        raise DFlashError(f"{d}: no config.json; give an exported drafter directory")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{path}: must hold a JSON object")
+    return cfg
+
+
+def check_export(
+    path: str | Path, target_config: Any | None = None, special_ids: set[int] | None = None
+) -> CheckReport:
+    """Validate an export; `target_config` is the target's (text) HF config or None,
+    `special_ids` the target's EOS/PAD ids (the mask token must not be one)."""
+    d = Path(path)
+    r = CheckReport(d)
+    try:
+        cfg = read_config(d)
+    except DFlashError as e:
+        r.error("config.json", str(e), "export again with `dflash export`")
+        return r
+    r.fmt = "speculators" if "speculators_model_type" in cfg else "zlab"
+    view = check_speculators_config(cfg, r) if r.fmt == "speculators" else check_zlab_config(cfg, r)
+    cfg_dtype = cfg.get("dtype", cfg.get("torch_dtype"))
+    check_geometry(view, cfg_dtype, r)
+    if target_config is not None:
+        check_target(view, target_config, special_ids or set(), r)
+    else:
+        r.notes.append("target checks skipped (pass --target NAME_OR_PATH to run them)")
+    spec = _spec_for_shapes(cfg, r.fmt, view)
+    if spec is None:
+        r.notes.append("tensor names and shapes not checked: fix the config errors above first")
+    _check_tensors(d, spec, r.fmt, cfg_dtype, r)
+    return r
+
+
+def _spec_for_shapes(cfg: dict[str, Any], fmt: str, v: ConfigView) -> DrafterSpec | None:
+    """The spec the lenient importer reads, used only for the tensor shapes."""
+    try:
+        if fmt == "zlab":
+            return spec_from_zlab_config(cfg, "config.json")[0]
+        n = v.num_target_layers or (max(v.layer_ids) + 1 if v.layer_ids else None)
+        return spec_from_speculators_config(cfg, "config.json", n)[0]
+    except (DFlashError, TypeError, ValueError):
+        return None

@@ -1,0 +1,369 @@
+"""The config half of `dflash export --check`: every layout field, without defaults.
+
+Engines load a slightly wrong drafter silently and then accept nothing, so this is
+strict where the importer is lenient: a field that some loader would default is an
+error here, reported with what breaks and the fix. `ConfigView` holds the DFlash
+numbers of either layout so the geometry and target checks are written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from dflash_trainer.formats.speculators import TOP_LEVEL_SLIDING_KEYS
+from dflash_trainer.formats.zlab import (
+    ARCHITECTURE,
+    LAYER_TYPES,
+    NEUTRAL_DFLASH_KEYS,
+    rope_theta_fields,
+)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Field -> what goes wrong when it is missing (DFLASH_SPEC.md section 8).
+REQUIRED_GEOMETRY: dict[str, str] = {
+    "hidden_size": "loaders fall back to Qwen3Config's 4096 and the weights do not fit",
+    "intermediate_size": "loaders fall back to Qwen3Config's 22016",
+    "num_hidden_layers": "loaders fall back to 32 drafter layers",
+    "num_attention_heads": "loaders fall back to 32 heads",
+    "num_key_value_heads": "loaders fall back to num_attention_heads (no GQA)",
+    "vocab_size": "loaders fall back to 151936",
+    "head_dim": "the z-lab loader uses 128, not hidden_size / num_attention_heads",
+    "rms_norm_eps": "silently defaulted to 1e-6",
+    "hidden_act": "silently defaulted to silu",
+    "max_position_embeddings": "silently defaulted to 32768 (RoPE cache size in vLLM)",
+    "attention_bias": "silently defaulted to false",
+    "layer_types": "derived from use_sliding_window / max_window_layers instead",
+    "rope_theta": "the transformers-4 z-lab loader reads only the flat value, else 10000",
+    "rope_parameters": "transformers 5 and vLLM read this; vLLM assumes rope_theta 1e6 without it",
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    severity: Literal["error", "warning"]
+    field: str
+    message: str
+    fix: str
+
+
+@dataclass
+class CheckReport:
+    path: Path
+    fmt: str | None = None
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems)
+
+    def error(self, fld: str, message: str, fix: str) -> None:
+        self.problems.append(Problem("error", fld, message, fix))
+
+    def warn(self, fld: str, message: str, fix: str) -> None:
+        self.problems.append(Problem("warning", fld, message, fix))
+
+    def render(self) -> str:
+        lines = [f"checking {self.path} ({self.fmt or 'unknown'} layout)"]
+        for p in self.problems:
+            tag = "FAIL" if p.severity == "error" else "WARN"
+            lines.append(f"  {tag}  {p.field}: {p.message}")
+            lines.append(f"        fix: {p.fix}")
+        lines += [f"  note: {n}" for n in self.notes]
+        errors = sum(p.severity == "error" for p in self.problems)
+        warnings = len(self.problems) - errors
+        verdict = "OK" if errors == 0 else "FAILED"
+        lines.append(f"result: {verdict} ({errors} errors, {warnings} warnings)")
+        return "\n".join(lines)
+
+
+@dataclass
+class ConfigView:
+    """The DFlash numbers of either layout, read without defaults."""
+
+    geometry: dict[str, Any]
+    block_size: Any
+    mask_token_id: Any
+    layer_ids: Any
+    num_target_layers: Any
+    target_hidden_size: Any
+
+
+# ------------------------------------------------------------------------ config
+
+
+def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        r.error("architectures", f"is {cfg.get('architectures')!r}", f'write ["{ARCHITECTURE}"]')
+    if cfg.get("model_type") != "qwen3":
+        r.error("model_type", f"is {cfg.get('model_type')!r}", 'write "qwen3"')
+    dflash = cfg.get("dflash_config")
+    if not isinstance(dflash, dict):
+        r.error(
+            "dflash_config",
+            "missing: the z-lab loader fails without it",
+            "write {mask_token_id, target_layer_ids}",
+        )
+        dflash = {}
+    for key in ("mask_token_id", "target_layer_ids"):
+        if dflash.get(key) is None:
+            r.error(f"dflash_config.{key}", "missing", f"write dflash_config.{key}")
+    for key, value in dflash.items():
+        neutral = NEUTRAL_DFLASH_KEYS.get(key, value)
+        if key in NEUTRAL_DFLASH_KEYS and value != neutral:
+            r.error(
+                f"dflash_config.{key}",
+                f"={value!r} changes the model engines run",
+                f"remove it (plain DFlash is {key}={neutral!r})",
+            )
+    if cfg.get("block_size") is None:
+        r.error(
+            "block_size",
+            "missing at the top level: the z-lab loader reads config.block_size",
+            "write block_size at the top level (and in dflash_config)",
+        )
+    elif dflash.get("block_size", cfg["block_size"]) != cfg["block_size"]:
+        r.error(
+            "block_size",
+            f"top level {cfg['block_size']} != dflash_config "
+            f"{dflash['block_size']}: SGLang reads the nested one",
+            "make them equal",
+        )
+    if cfg.get("num_target_layers") is None:
+        r.error(
+            "num_target_layers",
+            "missing: the z-lab loader fails without it",
+            "write the target's decoder-layer count",
+        )
+    hidden = cfg.get("hidden_size")
+    t_hidden = cfg.get("target_hidden_size", hidden)
+    if t_hidden != hidden:
+        r.error(
+            "target_hidden_size",
+            f"{t_hidden} != hidden_size {hidden}: z-lab's and "
+            "SGLang's loaders size fc as n_layers * hidden_size",
+            "only vLLM reads target_hidden_size; use the speculators layout or a drafter "
+            "whose hidden_size equals the target's",
+        )
+    return ConfigView(
+        cfg,
+        cfg.get("block_size", dflash.get("block_size")),
+        dflash.get("mask_token_id"),
+        dflash.get("target_layer_ids"),
+        cfg.get("num_target_layers"),
+        t_hidden,
+    )
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
+    if cfg.get("speculators_model_type") != "dflash":
+        r.error(
+            "speculators_model_type", f"is {cfg.get('speculators_model_type')!r}", 'write "dflash"'
+        )
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        r.error(
+            "transformer_layer_config",
+            "missing or not an object",
+            "write the Qwen3 decoder config there",
+        )
+        layer = {}
+    if layer.get("model_type") != "qwen3":
+        r.error(
+            "transformer_layer_config.model_type",
+            f"is {layer.get('model_type')!r}",
+            'write "qwen3"',
+        )
+    sc = _obj(cfg.get("speculators_config"))
+    methods = sc.get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    block = cfg.get("block_size")
+    if sc.get("algorithm") != "dflash":
+        r.error("speculators_config.algorithm", f"is {sc.get('algorithm')!r}", 'write "dflash"')
+    if block is None:
+        r.error("block_size", "missing: speculators assumes 8", "write the trained block size")
+    elif tokens != block - 1:
+        r.error(
+            "speculators_config.proposal_methods[0].speculative_tokens",
+            f"is {tokens!r}; vLLM drafts this many tokens per step",
+            f"write block_size - 1 = {block - 1}",
+        )
+    verifier = _obj(sc.get("verifier"))
+    if not verifier.get("name_or_path"):
+        r.warn(
+            "speculators_config.verifier.name_or_path",
+            "empty: `vllm serve DIR` cannot find the target",
+            "re-export with --target, or serve with the long form",
+        )
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    ids = None
+    if not aux:
+        r.error("aux_hidden_state_layer_ids", "missing", "write the tapped layer ids + 1")
+    elif min(aux) < 1:
+        r.error(
+            "aux_hidden_state_layer_ids",
+            f"{aux} has 0 (embedding output)",
+            "ids are hidden_states indices: 0-based layer id + 1",
+        )
+    else:
+        ids = [int(i) - 1 for i in aux]
+    if cfg.get("draft_vocab_size") != layer.get("vocab_size"):
+        r.error(
+            "draft_vocab_size",
+            f"{cfg.get('draft_vocab_size')} != vocab_size {layer.get('vocab_size')}",
+            "write the full vocab size (no t2d/d2t)",
+        )
+    if cfg.get("sample_from_anchor") is not False:
+        r.error(
+            "sample_from_anchor",
+            f"is {cfg.get('sample_from_anchor')!r}",
+            "write false: the anchor slot is the bonus token",
+        )
+    if cfg.get("sliding_window_non_causal") is not False:
+        r.error(
+            "sliding_window_non_causal",
+            f"is {cfg.get('sliding_window_non_causal')!r}",
+            "write false: sliding layers are causal inside the block",
+        )
+    for key in TOP_LEVEL_SLIDING_KEYS:
+        if key in cfg and cfg[key] != layer.get(key):
+            r.error(
+                key,
+                f"top level {cfg[key]!r} != transformer_layer_config {layer.get(key)!r}",
+                "make them equal (vLLM versions read different ones)",
+            )
+    mask = cfg.get("mask_token_id")
+    if mask is None:
+        r.error("mask_token_id", "missing", "write the trained mask token id")
+    return ConfigView(
+        layer,
+        block,
+        mask,
+        ids,
+        cfg.get("num_target_layers"),
+        cfg.get("target_hidden_size", layer.get("hidden_size")),
+    )
+
+
+def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
+    g = v.geometry
+    for key, breaks in REQUIRED_GEOMETRY.items():
+        if g.get(key) is None:
+            r.error(key, f"missing: {breaks}", f"write {key} explicitly")
+    if g.get("hidden_act", "silu") != "silu":
+        r.error("hidden_act", f"is {g['hidden_act']!r}; DFlash MLPs are SwiGLU", 'write "silu"')
+    if g.get("tie_word_embeddings") is not False:
+        r.error(
+            "tie_word_embeddings",
+            f"is {g.get('tie_word_embeddings')!r}",
+            "write false: the drafter has no lm_head of its own",
+        )
+    flat, nested = rope_theta_fields(g)
+    if flat is not None and nested is not None and flat != nested:
+        r.error(
+            "rope_theta",
+            f"flat {flat} != rope_parameters.rope_theta {nested}",
+            "write the trained value in both places",
+        )
+    rp = g.get("rope_parameters")
+    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+        r.error("rope_parameters.rope_type", f"is {rp.get('rope_type')!r}", 'write "default"')
+    if g.get("is_neox_style", True) is not True:
+        r.error("is_neox_style", "false: interleaved RoPE", "write true (rotate-half RoPE)")
+    heads, kv, hd = g.get("num_attention_heads"), g.get("num_key_value_heads"), g.get("head_dim")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv <= 0 or heads % kv):
+        r.error(
+            "num_key_value_heads",
+            f"{kv} does not divide num_attention_heads {heads}",
+            "use a divisor (grouped-query attention)",
+        )
+    if isinstance(hd, int) and hd % 2:
+        r.error("head_dim", f"{hd} is odd", "RoPE needs an even head_dim")
+    _check_layer_types(g, r)
+    if not isinstance(v.block_size, int) or v.block_size < 2:
+        r.error("block_size", f"is {v.block_size!r}", "write the trained block size (>= 2)")
+    n_t = v.num_target_layers
+    ids = v.layer_ids
+    if isinstance(ids, list) and ids:
+        if len(set(ids)) != len(ids):
+            r.error("target_layer_ids", f"{ids} repeats a layer", "list each tapped layer once")
+        if isinstance(n_t, int) and any(not 0 <= i < n_t for i in ids):
+            r.error(
+                "target_layer_ids",
+                f"{ids} out of range for {n_t} target layers",
+                "ids are 0-based decoder layers (not hidden_states indices)",
+            )
+    elif ids is not None:
+        r.error("target_layer_ids", f"is {ids!r}", "write a non-empty list of layer ids")
+    vocab, mask = g.get("vocab_size"), v.mask_token_id
+    if isinstance(vocab, int) and isinstance(mask, int) and not 0 <= mask < vocab:
+        r.error(
+            "mask_token_id",
+            f"{mask} outside the vocab 0..{vocab - 1}",
+            "pick a token id of the target's vocabulary",
+        )
+    if cfg_dtype not in DTYPES:
+        r.error("dtype", f"is {cfg_dtype!r}", f"write one of {sorted(DTYPES)}")
+
+
+def _check_layer_types(g: dict[str, Any], r: CheckReport) -> None:
+    lt, n = g.get("layer_types"), g.get("num_hidden_layers")
+    if not isinstance(lt, list):
+        return
+    if len(lt) != n or any(t not in LAYER_TYPES for t in lt):
+        r.error(
+            "layer_types",
+            f"{lt} needs {n} entries from {list(LAYER_TYPES)}",
+            "one entry per drafter layer",
+        )
+    if "sliding_attention" in lt:
+        w = g.get("sliding_window")
+        if not isinstance(w, int) or w <= 0:
+            r.error("sliding_window", f"is {w!r} with sliding layers", "write the trained window")
+        if g.get("use_sliding_window") is not True:
+            r.error(
+                "use_sliding_window",
+                "not true with sliding layers: Qwen3Config then drops "
+                "the window (z-lab loader runs them as full attention)",
+                "write true",
+            )
+
+
+def check_target(v: ConfigView, t: Any, special: set[int], r: CheckReport) -> None:
+    g = v.geometry
+    pairs = [
+        ("hidden_size", g.get("hidden_size"), t.hidden_size),
+        ("target_hidden_size", v.target_hidden_size, t.hidden_size),
+        ("vocab_size", g.get("vocab_size"), t.vocab_size),
+        ("num_target_layers", v.num_target_layers, t.num_hidden_layers),
+    ]
+    for name, ours, theirs in pairs:
+        if ours is not None and ours != theirs:
+            r.error(
+                name,
+                f"{ours} but the target has {theirs}",
+                "export against the target the drafter was trained for",
+            )
+    ids = v.layer_ids if isinstance(v.layer_ids, list) else []
+    bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
+    if bad:
+        r.error(
+            "target_layer_ids",
+            f"{bad} do not exist in the target ({t.num_hidden_layers} layers)",
+            "tap layers 0..L-1 of the target",
+        )
+    if v.mask_token_id in special:
+        r.error(
+            "mask_token_id",
+            f"{v.mask_token_id} is the target's EOS/PAD token: every block would end generation",
+            "train with a token that is not a stop token",
+        )

@@ -1,0 +1,97 @@
+"""The project's own drafter files: `spec.json` + `drafter.safetensors` + `meta.json`.
+
+Every training checkpoint directory, and the final `drafter/` of a run, holds these
+three files; export, import and eval read them through `load_drafter`. Weights are
+safetensors (never pickles); the spec is every geometry number, so a drafter is
+rebuilt without its target's weights.
+
+Run directory layout (written by the trainer):
+
+    RUN/config.yaml            resolved config        RUN/metrics.jsonl
+    RUN/run_info.json          argv, versions, SHA     RUN/checkpoints/step_00000100/
+    RUN/drafter/               final drafter files     RUN/checkpoints/LATEST (name)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.errors import DFlashError
+
+SPEC_FILE = "spec.json"
+WEIGHTS_FILE = "drafter.safetensors"
+META_FILE = "meta.json"
+
+
+def save_drafter_files(
+    directory: str | Path,
+    spec: DrafterSpec,
+    state_dict: dict[str, torch.Tensor],
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write spec, weights (contiguous CPU tensors) and meta into `directory`."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(d / WEIGHTS_FILE))
+    (d / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+    (d / META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str) + "\n")
+    return d
+
+
+def resolve_drafter_dir(path: str | Path) -> Path:
+    """A drafter-files dir from a run dir, a checkpoint dir or the files' dir itself."""
+    p = Path(path)
+    if not p.exists():
+        raise DFlashError(f"{p}: no such drafter, checkpoint or run directory")
+    if (p / SPEC_FILE).is_file():
+        return p
+    if (p / "drafter" / SPEC_FILE).is_file():
+        return p / "drafter"
+    latest = p / "checkpoints" / "LATEST"
+    if latest.is_file():
+        cand = p / "checkpoints" / latest.read_text().strip()
+        if (cand / SPEC_FILE).is_file():
+            return cand
+    raise DFlashError(
+        f"{p}: holds no drafter ({SPEC_FILE} + {WEIGHTS_FILE}); give a run directory, a "
+        "checkpoint directory, or a z-lab/speculators export (use `dflash import` for those)"
+    )
+
+
+def load_drafter(path: str | Path) -> tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]:
+    """(spec, fp32-or-stored-dtype state dict, meta) from a run, checkpoint or files dir."""
+    d = resolve_drafter_dir(path)
+    try:
+        spec = DrafterSpec.from_dict(json.loads((d / SPEC_FILE).read_text()))
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise DFlashError(f"{d / SPEC_FILE}: not a valid drafter spec ({e})") from e
+    if not (d / WEIGHTS_FILE).is_file():
+        raise DFlashError(f"{d}: {WEIGHTS_FILE} is missing")
+    state = load_file(str(d / WEIGHTS_FILE))
+    meta_path = d / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    return spec, state, meta
+
+
+def build_drafter(path: str | Path, device: str | torch.device = "cpu") -> Any:
+    """A DFlashDrafter (eval mode, fp32) with the weights found at `path`, plus its meta."""
+    from dflash_trainer.core.drafter import DFlashDrafter
+
+    spec, state, meta = load_drafter(path)
+    model = DFlashDrafter(spec)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() for k, v in state.items()}, strict=False
+    )
+    if missing or unexpected:
+        raise DFlashError(
+            f"{path}: weights do not match the spec (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]})"
+        )
+    return model.to(device).eval(), meta

@@ -1,0 +1,110 @@
+"""`dflash train`: from a recipe or config (plus overrides), or `--resume RUN_DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_trainer.config import Config, ConfigError, load_config
+from dflash_trainer.errors import DFlashError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--recipe", help="a bundled recipe, e.g. smollm2-135m-demo")
+    src.add_argument("--config", help="a YAML config file")
+    src.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint"
+    )
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.lr=3e-4")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build everything, run one step, print the plan, exit",
+    )
+    p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
+    p.add_argument(
+        "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
+    )
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    if args.resume:
+        cfg_path = Path(args.resume) / "config.yaml"
+        if not cfg_path.is_file():
+            raise DFlashError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
+        cfg = load_config(config_file=str(cfg_path), overrides=args.overrides)
+        if Path(cfg.run.output_dir).resolve() != Path(args.resume).resolve():
+            cfg = load_config(
+                config_file=str(cfg_path),
+                overrides=[*args.overrides, f"run.output_dir={args.resume}"],
+            )
+        return cfg
+    if not args.recipe and not args.config:
+        raise ConfigError("give --recipe NAME, --config FILE or --resume RUN_DIR")
+    return load_config(recipe=args.recipe, config_file=args.config, overrides=args.overrides)
+
+
+def _launch_torchrun(args: argparse.Namespace) -> int:
+    """Re-run this command under torchrun with --gpus removed (argument list, no shell)."""
+    torchrun = shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    argv = sys.argv[1:]
+    clean: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--gpus":
+            skip = True
+            continue
+        if a.startswith("--gpus="):
+            continue
+        clean.append(a)
+    cmd += [f"--nproc-per-node={args.gpus}", "-m", "dflash_trainer.cli", *clean]
+    return subprocess.call(cmd, env=os.environ.copy())
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gpus and "RANK" not in os.environ:
+        return _launch_torchrun(args)
+    cfg = resolve_config(args)
+    if not args.skip_doctor and not args.resume:
+        from dflash_trainer.doctor.run import run_doctor
+
+        report = run_doctor(cfg)
+        print(report.format())
+        if report.failed:
+            raise DFlashError(
+                "the pre-flight checks failed (above); fix them or pass --skip-doctor"
+            )
+    from dflash_trainer.train.trainer import Trainer
+
+    if args.dry_run:
+        from dflash_trainer.config import replace
+
+        run_dir = Path(cfg.run.output_dir) / "dry-run"
+        cfg = replace(cfg, run={"output_dir": str(run_dir)}, training={"max_steps": 1})
+    trainer = Trainer(cfg, resume=bool(args.resume), argv=sys.argv)
+    if args.dry_run:
+        st = trainer.train_step()
+        n_params = sum(p.numel() for p in trainer.drafter.parameters())
+        print(
+            f"dry run OK: target {cfg.target.name_or_path}, drafter {n_params / 1e6:.1f}M params, "
+            f"{len(trainer.data.train)} train documents, {trainer.batcher.steps_per_epoch} steps "
+            f"per epoch, {trainer.total_steps} steps planned; one step: loss {st.loss:.4f}, "
+            f"target {st.target_s:.2f}s + drafter {st.drafter_s:.2f}s, {st.tokens} tokens"
+        )
+        return 0
+    try:
+        out = trainer.train()
+    finally:
+        from dflash_trainer.train.distributed import shutdown
+
+        shutdown(trainer.world)
+    return 0 if out["step"] > 0 else 1

@@ -1,0 +1,96 @@
+"""`dflash plot RUN_DIR`: PNG training curves from metrics.jsonl.
+
+One figure per quantity a user reads first: loss, in-batch acceptance (exact and
+expected tau, plus the measured tau of in-training evals when present), per-slot
+accuracy at the last log, learning rate and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.train.run_dir import read_metrics
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
+    p.add_argument("--out", help="output folder (default RUN_DIR/plots)")
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(run_dir)
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_tau" in r]
+    if not train:
+        raise DFlashError(f"{run_dir}: no training metrics (metrics.jsonl is missing or empty)")
+    out_dir = Path(out) if out else Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in train]
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["loss"] for r in train], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["exact_tau"] for r in train], label="in-batch tau (exact)")
+    ax.plot(
+        steps, [r["expected_tau"] for r in train], label="expected tau (from slot acc.)", ls="--"
+    )
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_tau"] for r in evals],
+            "o-",
+            label=f"measured tau ({evals[0].get('eval_set', 'eval')})",
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("acceptance length")
+    ax.set_title("acceptance")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "tau.png")
+
+    last = train[-1].get("slot_acc") or []
+    if last:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(range(1, len(last) + 1), last)
+        ax.set_xlabel("slot k")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"per-slot accuracy at step {train[-1]['step']}")
+        save(fig, "slot_accuracy.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a1.plot(steps, [r["lr"] for r in train])
+    a1.set_title("learning rate")
+    a1.set_xlabel("step")
+    a2.plot(steps, [r["tokens_per_s"] for r in train])
+    a2.set_title("tokens/s")
+    a2.set_xlabel("step")
+    save(fig, "lr_throughput.png")
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    for p in plot_run(args.run_dir, args.out):
+        print(p)
+    return 0
