@@ -13,17 +13,22 @@ import dflash_trainer
 
 ROOT = Path(dflash_trainer.__file__).parent
 # Modules every stage may use: the config tree, the error type, asset names, the version.
-FOUNDATION = {"dflash_trainer", "dflash_trainer.config", "dflash_trainer.errors", "dflash_trainer.assets"}
+FOUNDATION = {
+    "dflash_trainer",
+    "dflash_trainer.config",
+    "dflash_trainer.errors",
+    "dflash_trainer.assets",
+}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the package modules it imports (an imported name resolves to its module)."""
-    mods = {_module_name(p): p for p in root.rglob("*.py")}
+    mods = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         deps: set[str] = set()
@@ -94,7 +99,9 @@ def test_core_imports_no_stage_above_it():
     core = {m for m in graph if m.startswith("dflash_trainer.core")}
     assert core, "the core package moved: update this test"
     bad = {
-        m: sorted(d for d in deps if not d.startswith("dflash_trainer.core") and d not in FOUNDATION)
+        m: sorted(
+            d for d in deps if not d.startswith("dflash_trainer.core") and d not in FOUNDATION
+        )
         for m, deps in graph.items()
         if m in core
     }
