@@ -3,7 +3,8 @@
 The prompts file (about 10 MB) is much smaller than the ShareGPT asset (125 MB), which
 helps when the GPU machine does not have the asset installed. Regeneration answers only
 the first turn (`--max-turns 1`), so nothing else is needed. Prompts are deduplicated by
-text and, optionally, capped in length so a batch of left-padded prompts is not dominated by one huge paste.
+text and, optionally, capped in length so a batch of left-padded prompts is not dominated
+by one huge paste.
 
     python benchmarks/sharegpt_prompts.py --out .evaldata/sharegpt_prompts_all.jsonl
 """
