@@ -20,7 +20,8 @@
 # Knobs: STEPS (800), LONG_STEPS (3000), TRAIN_SECONDS (0 = none; else each training run gets
 #   SIGTERM at that limit, which saves a checkpoint, and is evaluated from it), SAMPLES (10
 #   prompts per set; 20 for the long run), MAX_NEW_TOKENS (256), PARALLEL (1: every run trains
-#   side by side on the GPU, each process needs about 3 GB; 0: one after another),
+#   side by side on the GPU, each process needs about 3 GB; 0: one after another), EVAL_EXTRA
+#   (flags added to every evaluation, e.g. "--decode eager"),
 #   OUT (benchmarks/out/train_sweep).
 # Outputs: $OUT/metrics_<run>.jsonl, $OUT/train_<run>.log, $OUT/eval_<tag>/ (eval.json, eval.md,
 #   plots), $OUT/eval_<tag>.log, $OUT/table.md, $OUT/plots/, $OUT/runs/<run>/ (checkpoints).
@@ -67,7 +68,7 @@ declare -A OVERRIDES=(
 
 ev() {  # run tag eval-args...
   local run=$1 tag=$2; shift 2
-  $DFLASH eval --drafter "$OUT/runs/$run" --out-dir "$OUT/eval_$tag" --no-progress "$@" \
+  $DFLASH eval --drafter "$OUT/runs/$run" --out-dir "$OUT/eval_$tag" --no-progress "$@" ${EVAL_EXTRA:-} \
     > "$OUT/eval_$tag.log" 2>&1
   echo "eval rc=$?" >> "$OUT/eval_$tag.log"
 }
