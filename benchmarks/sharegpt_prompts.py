@@ -1,9 +1,10 @@
 """Write the first user turn of every usable ShareGPT conversation as a prompts JSONL.
 
-The ShareGPT asset (125 MB) is too large to travel to the GPU machine; its prompts are
-not (about 10 MB). Regeneration answers only the first turn there (`--max-turns 1`), so
-nothing else is needed. Prompts are deduplicated by text and, optionally, capped in length
-so a batch of left-padded prompts is not dominated by one huge paste.
+The prompts file (about 10 MB) is much smaller than the ShareGPT asset (125 MB), which
+helps when the GPU machine does not have the asset installed. Regeneration answers only
+the first turn (`--max-turns 1`), so nothing else is needed. Prompts are deduplicated by
+text and, optionally, capped in length so a batch of left-padded prompts is not dominated
+by one huge paste.
 
     python benchmarks/sharegpt_prompts.py --out .evaldata/sharegpt_prompts_all.jsonl
 """

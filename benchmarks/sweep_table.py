@@ -1,4 +1,4 @@
-"""The SmolLM2 sweep's table and plots from what the H200 calls bring back.
+"""The SmolLM2 sweep's table and plots from a sweep's output directory (gpu/train_sweep.sh).
 
     python benchmarks/sweep_table.py OUT_DIR [--plots DIR]
 
