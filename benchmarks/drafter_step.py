@@ -29,7 +29,7 @@ from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdp
 from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.core.masks import build_intervals
 from dflash_trainer.core.packing import Pack, pack_documents
-from dflash_trainer.target.model.configs import load_target_config
+from dflash_trainer.target.configs import load_target_config
 from dflash_trainer.train.step import Blocks, StepSettings, drafter_loss
 
 DEV = torch.device("cuda")

@@ -28,7 +28,7 @@ from dflash_trainer.data.shards import PreparedDataset
 from dflash_trainer.eval.speculative import DFlashBlockDrafter
 from dflash_trainer.eval.walk import accepted_run, teacher_forced, walked_tau
 from dflash_trainer.formats.drafter_io import build_drafter
-from dflash_trainer.target.model.model import FrozenTarget, load_target_model
+from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train.step import drafter_loss, prepare_blocks, run_target, settings_from_config
 
 

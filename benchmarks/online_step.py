@@ -25,7 +25,7 @@ import torch
 
 from dflash_trainer.config import load_config, replace
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
-from dflash_trainer.target.model.configs import load_target_config
+from dflash_trainer.target.configs import load_target_config
 from dflash_trainer.train.trainer import Trainer
 
 

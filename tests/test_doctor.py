@@ -12,7 +12,7 @@ import torch
 from dflash_trainer import cli
 from dflash_trainer.config import load_config
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
-from dflash_trainer.doctor.run.run import run_doctor
+from dflash_trainer.doctor.run import run_doctor
 
 QWEN36 = "qwen3.6-27b"
 
@@ -205,7 +205,7 @@ def test_init_from_a_drafter_of_another_target_fails(tmp_path):
     from dflash_trainer.core.drafter import DFlashDrafter
     from dflash_trainer.core.geometry import resolve_drafter_spec
     from dflash_trainer.formats.drafter_io import save_drafter_files
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     small = load_config(
         recipe=QWEN36,

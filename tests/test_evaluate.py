@@ -36,7 +36,7 @@ from dflash_trainer.eval.report import (
     write_all,
 )
 from dflash_trainer.eval.speculative import Generation
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

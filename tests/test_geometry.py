@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from dflash_trainer.config import ConfigError, DrafterConfig, TargetConfig, load_config
 from dflash_trainer.core.drafter import DFlashDrafter, count_parameters
 from dflash_trainer.core.geometry import default_target_layer_ids, resolve_drafter_spec
-from dflash_trainer.target.model.configs import load_target_config
+from dflash_trainer.target.configs import load_target_config
 
 
 def test_default_target_layer_ids_match_published_drafters():

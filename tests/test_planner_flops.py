@@ -27,7 +27,7 @@ from dflash_trainer.plan.flops import (
     target_forward_flops,
 )
 from dflash_trainer.plan.workload import AttentionPairs, StepShape, count_pairs, synthetic_pack
-from dflash_trainer.target.model.configs import KNOWN_CONFIGS, config_from_dict
+from dflash_trainer.target.configs import KNOWN_CONFIGS, config_from_dict
 from dflash_trainer.train.step import StepSettings, TargetOut, drafter_loss, prepare_blocks
 
 SPECS = [
@@ -177,7 +177,7 @@ def test_target_forward_flops_match_flop_counter(name):
     """A right-padded batch through a real HF target (full attention and Gated DeltaNet)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.target.model.model import FrozenTarget
+    from dflash_trainer.target.model import FrozenTarget
 
     hub_id, over = TINY_TARGETS[name]
     cfg = config_from_dict({**KNOWN_CONFIGS[hub_id], **over, "eos_token_id": 1, "bos_token_id": 1})
@@ -210,7 +210,7 @@ def test_target_forward_flops_match_flop_counter(name):
 
 def test_qwen36_target_layout():
     from dflash_trainer.config import TargetConfig
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     tm = describe_target(load_target_config(TargetConfig(name_or_path="Qwen/Qwen3.6-27B")))
     assert tm.kind_counts == {"linear_attention": 48, "full_attention": 16}

@@ -322,7 +322,7 @@ def test_fsdp_target_keeps_a_share_of_its_layers_per_gpu():
     from dflash_trainer.plan.flops import describe_target
     from dflash_trainer.plan.planner import predict
     from dflash_trainer.plan.workload import DataStats
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     data = DataStats.uniform(902_016, 1500, 0.6, "test")
     # The recipe's pairs placement is the seed run's; sharding is colocated only.

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.eval.speculative import DFlashBlockDrafter, Generation, generate
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 VOCAB = 101
 LAYER_IDS = (0, 2)

@@ -18,7 +18,7 @@ from test_speculative import OracleDrafter
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_trainer.eval.speculative import generate, sample_tokens, target_probs, top_p_filter
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 V = 4
 TEMPERATURE, TOP_P = 1.0, 0.8

@@ -32,7 +32,7 @@ from dflash_trainer.eval.static_decode import (
     resolve_decode,
     static_support,
 )
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

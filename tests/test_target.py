@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 
 def tiny_llama() -> torch.nn.Module:

@@ -20,7 +20,7 @@ from trainer_utils import tiny_config, write_tiny_target
 
 from dflash_trainer.config import ConfigError, DistributedConfig, TargetConfig
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.target.model.model import FrozenTarget, load_target_model, spread_over_gpus
+from dflash_trainer.target.model import FrozenTarget, load_target_model, spread_over_gpus
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.dataset import load_train_data
 from dflash_trainer.train.distributed import World, apply_target_sharding
@@ -43,7 +43,7 @@ FORWARD_WORKER = textwrap.dedent(
     from dflash_trainer.plan.flops import describe_target
     from dflash_trainer.plan.memory import target_memory
     from dflash_trainer.train.step import _micro_batches, run_target, settings_from_config
-    from dflash_trainer.target.model.model import FrozenTarget, decoder_layers, load_target_model
+    from dflash_trainer.target.model import FrozenTarget, decoder_layers, load_target_model
     from dflash_trainer.plan.workload import StepShape
 
     tmp = Path(sys.argv[1])

@@ -34,7 +34,7 @@ COMMANDS: dict[str, Command] = {
         run="run_plan",
     ),
     "doctor": Command(
-        "dflash_trainer.doctor.run.run", "pre-flight checks of a config against its target"
+        "dflash_trainer.doctor.run", "pre-flight checks of a config against its target"
     ),
     "eval": Command(
         "dflash_trainer.eval.evaluate", "speculative decoding: acceptance length and speedup"

@@ -22,7 +22,7 @@ import numpy as np
 
 from dflash_trainer.config import Config, ConfigError
 from dflash_trainer.doctor.run import checks as C
-from dflash_trainer.doctor.run.checks import Check
+from dflash_trainer.doctor.checks import Check
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.plan.hardware import Hardware, get_hardware
 
@@ -399,7 +399,7 @@ def run_doctor(
     env: dict[str, str] | None = None,
 ) -> DoctorReport:
     """All checks for `cfg`; `data` defaults to the prepared data.train (or RUN/data/prepared)."""
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     report = DoctorReport()
     try:

@@ -52,7 +52,7 @@ from dflash_trainer.eval.speculative import (
     unwrap_module,
 )
 from dflash_trainer.eval.static_decode import DECODE_MODES, DecodeEngines
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 # ----------------------------------------------------------------------------- the eval loop
 
@@ -325,7 +325,7 @@ def load_eval_models(
     """Drafter (eval mode, fp32 weights cast to the target dtype), FrozenTarget, tokenizer."""
     from dflash_trainer.core.drafter import DFlashDrafter
     from dflash_trainer.data import load_tokenizer
-    from dflash_trainer.target.model.model import load_target_model
+    from dflash_trainer.target.model import load_target_model
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec, state, meta = read_drafter(drafter_path)

@@ -43,7 +43,7 @@ from torch import nn
 
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 # ----------------------------------------------------------------------------- sampling
 

@@ -43,7 +43,7 @@ from dflash_trainer.core.drafter import sdpa_attention
 from dflash_trainer.core.masks import inference_mask
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.speculative import DFlashBlockDrafter, _cache_kwarg, target_forward
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 DECODE_MODES = ("auto", "graphs", "static", "eager")
 """auto: graphs on CUDA when the target allows, else eager. graphs: static shapes replayed as

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.eval.speculative import DFlashBlockDrafter
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 
 
 def supervised_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -69,7 +69,7 @@ def detect_format(path: str | Path) -> str:
 def target_info(name: str | None, gguf_file: str | None = None) -> tuple[Any, set[int]]:
     """(text HF config, EOS/PAD ids) of a target, read without its weights."""
     from dflash_trainer.config import TargetConfig
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     if not name:
         raise DFlashError("no target given")
@@ -89,7 +89,7 @@ def target_info(name: str | None, gguf_file: str | None = None) -> tuple[Any, se
 
 def _readable_offline(name: str) -> bool:
     """A local dir/file, a bundled asset or a bundled hub config: no network needed."""
-    from dflash_trainer.target.model.configs import KNOWN_CONFIGS
+    from dflash_trainer.target.configs import KNOWN_CONFIGS
 
     return name.startswith("asset:") or name in KNOWN_CONFIGS or Path(name).exists()
 

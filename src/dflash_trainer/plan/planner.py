@@ -285,7 +285,7 @@ def predict(
     target_hf_config: Any = None,
 ) -> Prediction:
     """Predicted step time (target/drafter split), memory per GPU and throughput."""
-    from dflash_trainer.target.model.configs import load_target_config
+    from dflash_trainer.target.configs import load_target_config
 
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     placement = placement or cfg.distributed.placement

@@ -55,7 +55,7 @@ def load_target_model(
         device = "cpu"
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.target.model.configs import load_target_config, target_source
+    from dflash_trainer.target.configs import load_target_config, target_source
 
     dtype = _DTYPES[tcfg.dtype]
     if tcfg.random_init:

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return _launch_torchrun(args)
     cfg = resolve_config(args)
     if not args.skip_doctor and not args.resume:
-        from dflash_trainer.doctor.run.run import run_doctor
+        from dflash_trainer.doctor.run import run_doctor
 
         report = run_doctor(cfg)
         print(report.format())

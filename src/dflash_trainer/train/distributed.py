@@ -171,7 +171,7 @@ def apply_target_sharding(model: nn.Module, dcfg: DistributedConfig, world: Worl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dflash_trainer.target.model.model import decoder_layers, decoder_of
+    from dflash_trainer.target.model import decoder_layers, decoder_of
 
     layers = decoder_layers(model)
     decoder = decoder_of(model)

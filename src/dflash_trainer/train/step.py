@@ -37,7 +37,7 @@ from dflash_trainer.core.masks import (
     intervals_to_dense,
 )
 from dflash_trainer.core.packing import Pack, pack_documents
-from dflash_trainer.target.model.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.distributed import unwrap
 
 

@@ -34,7 +34,7 @@ from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdp
 from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.core.loss import decay_weights
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.target.model.model import FrozenTarget, load_target_model
+from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.checkpoint import Checkpointer
