@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dflash_trainer.config import Config, ConfigError
-from dflash_trainer.doctor.run import checks as C
+from dflash_trainer.doctor import checks as C
 from dflash_trainer.doctor.checks import Check
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.plan.hardware import Hardware, get_hardware
