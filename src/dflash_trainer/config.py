@@ -13,6 +13,7 @@ the target's HF config by `dflash_trainer.core.geometry.resolve_drafter_spec`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -162,6 +163,40 @@ class DrafterConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One prompt source of a mixture (`dflash data prompts`; docs/data.md, "Prompt sources")."""
+
+    name: str
+    """Prefix of the record ids (`<name>/<id>`); letters, digits, `_`, `-`, `.`."""
+    path: str
+    """A file (.json/.jsonl/.ndjson, optionally .gz), `pkg:<package>/<path>` or `asset:<name>`."""
+    prompt: str | None = None
+    """Field holding one user prompt (a string)."""
+    messages: str | None = None
+    """Field holding a conversation: {role, content} turns, alternating strings or chitchat groups."""
+    template: str | None = None
+    """One user prompt built from string fields, e.g. "{passage}\\n\\n{question}"."""
+    weight: float = 1.0
+    """Share of this source in every prefix of the mixed file (relative to the other weights)."""
+    cap: int | None = None
+    """Keep at most this many records of the source (a seeded random subset)."""
+
+    def __post_init__(self) -> None:
+        p = f"data.sources.{self.name}"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name):
+            _fail(f"{p}.name", "use letters, digits, '_', '-' or '.' (it prefixes record ids)")
+        if not self.path:
+            _fail(f"{p}.path", "must name a file, pkg:<package>/<path> or asset:<name>")
+        given = [k for k in ("prompt", "messages", "template") if getattr(self, k) is not None]
+        if len(given) > 1:
+            _fail(f"{p}.{given[1]}", f"give one of prompt, messages, template (got {given})")
+        if not self.weight > 0:
+            _fail(f"{p}.weight", f"must be > 0, got {self.weight}")
+        if self.cap is not None and self.cap < 1:
+            _fail(f"{p}.cap", f"must be >= 1 (or unset), got {self.cap}")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where training documents come from and how they are batched."""
 
@@ -185,6 +220,8 @@ class DataConfig:
     """Fraction of prepared documents split off for evaluation by stable hash."""
     shuffle_seed: int = 0
     """Seed of the epoch shuffles."""
+    sources: tuple[SourceConfig, ...] = ()
+    """Prompt sources mixed by `dflash data prompts --sources` (decontaminated, capped, weighted)."""
 
     def __post_init__(self) -> None:
         if self.token_budget < 16:

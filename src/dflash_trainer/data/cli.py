@@ -1,4 +1,4 @@
-"""`dflash data prepare | regenerate | stats`."""
+"""`dflash data prepare | regenerate | prompts | stats`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
 from dflash_trainer.errors import DFlashError
 
@@ -14,7 +15,7 @@ _THINKING = {"on": True, "off": False, "default": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,stats}")
+    sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,prompts,stats}")
 
     p = sub.add_parser("prepare", help="conversations -> chat template + masks -> shards")
     p.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
@@ -67,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-progress", action="store_true")
 
-    s = sub.add_parser("stats", help="statistics of a prepared directory")
+    prompts_cli.add_parser(sub)
+
+    s = sub.add_parser("stats", help="statistics of a prepared directory or a prompts file")
     s.add_argument("path", type=Path)
     s.add_argument("--split", default="all", help="train, eval or all")
     s.add_argument("--budget", type=int, default=8192)
@@ -85,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return _prepare(args)
     if command == "regenerate":
         return _regenerate(args)
+    if command == "prompts":
+        return prompts_cli.run(args)
     return _stats(args)
 
 
@@ -185,6 +190,8 @@ def _stats(args: argparse.Namespace) -> int:
     from dflash_trainer.data.shards import PreparedDataset, read_manifest
     from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
 
+    if args.path.is_file():
+        return prompts_cli.print_prompt_file_stats(args.path)
     manifest = read_manifest(args.path)
     splits = sorted(manifest["splits"]) if args.split == "all" else [args.split]
     for split in splits:
@@ -200,4 +207,5 @@ def _stats(args: argparse.Namespace) -> int:
     if args.png is not None:
         print(f"wrote {args.png}")
     print(f"source {manifest['source']['spec']}, tokenizer {manifest['tokenizer']['name']}")
+    prompts_cli.print_manifest_sources(manifest)
     return 0

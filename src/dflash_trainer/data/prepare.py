@@ -25,6 +25,7 @@ import numpy as np
 from dflash_trainer.data.formats import Skip, read_records
 from dflash_trainer.data.jsonio import HFDataset, input_files
 from dflash_trainer.data.loading import load_tokenizer, resolve_source
+from dflash_trainer.data.mixture import SourceTally, read_sidecar
 from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
 from dflash_trainer.data.shards import (
     DEFAULT_SHARD_TOKENS,
@@ -172,6 +173,7 @@ def prepare_dataset(
     tmp.mkdir(parents=True)
     try:
         report = ReadReport(source=str(source))
+        tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
         writers = {s: ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
         records = read_records(
             resolved, fmt, report, require_assistant=True, max_records=max_records
@@ -180,9 +182,12 @@ def prepare_dataset(
             for record, doc in _templated(batch, chat, len(tok)):
                 if isinstance(doc, Skip):
                     report.reject(doc.reason)
+                    tally.reject(record.id, doc.reason)
                 elif max_tokens is not None and len(doc.input_ids) > max_tokens:
                     report.reject("too_long")
+                    tally.reject(record.id, "too_long")
                 else:
+                    tally.add(record.id, len(doc.input_ids), int(doc.loss_mask.sum()))
                     for kind in doc.repairs:
                         report.repair(kind)
                     doc_id = record.content_hash
@@ -205,6 +210,8 @@ def prepare_dataset(
             | tok_id,
             "settings": settings,
             "read_report": report.to_dict(),
+            "sources": tally.to_dict(),
+            "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
             "splits": {
                 s: {
                     "documents": sum(e["documents"] for e in entries[s]),

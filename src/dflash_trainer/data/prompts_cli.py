@@ -1,0 +1,97 @@
+"""`dflash data prompts`: a prompt mixture from declared sources, decontaminated, in one file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.data.decontam import BUILTIN_EVALS, DEFAULT_NGRAM, build_index
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "prompts", help="mix prompt sources (decontaminated) into one file for regenerate"
+    )
+    p.add_argument(
+        "--sources",
+        required=True,
+        help="YAML with `sources:` (or a config with data.sources), or a shipped mixture name",
+    )
+    p.add_argument("--out", required=True, type=Path, help="the prompts JSONL to write")
+    p.add_argument(
+        "--decontam-evals",
+        default=",".join(BUILTIN_EVALS),
+        help=f"comma-separated built-in eval sets to decontaminate against "
+        f"(default: all of {list(BUILTIN_EVALS)}; 'none' for none)",
+    )
+    p.add_argument(
+        "--decontam-file",
+        action="append",
+        default=[],
+        type=Path,
+        help="also decontaminate against this JSON/JSONL file (repeatable)",
+    )
+    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size in words")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-source order and caps")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_trainer.data.mixture import (
+        build_mixture,
+        format_source_counts,
+        load_sources,
+        read_sidecar,
+        write_mixture,
+    )
+
+    t0 = time.perf_counter()
+    sources = load_sources(args.sources)
+    evals = [e.strip() for e in args.decontam_evals.split(",") if e.strip()]
+    if evals == ["none"]:
+        evals = []
+    index = None
+    if evals or args.decontam_file:
+        index = build_index(evals, args.decontam_file, args.ngram)
+    mix = build_mixture(sources, index, args.seed)
+    meta = {"sources_spec": str(args.sources), "seed": args.seed}
+    write_mixture(mix, args.out, meta)
+    sidecar = read_sidecar(args.out)
+    assert sidecar is not None
+    print(format_source_counts(sidecar))
+    print(
+        f"wrote {args.out} ({len(mix.conversations):,} conversations), "
+        f"{args.out.name}.sources.json and {args.out.name}.decontam.jsonl "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
+    return 0
+
+
+def print_prompt_file_stats(path: Path) -> int:
+    """`dflash data stats prompts.jsonl`: the per-source counts of a mixed prompts file."""
+    from dflash_trainer.data.mixture import format_source_counts, read_sidecar
+    from dflash_trainer.errors import DFlashError
+
+    sidecar = read_sidecar(path)
+    if sidecar is None:
+        raise DFlashError(
+            f"{path} is a file without a {path.name}.sources.json next to it; "
+            "`dflash data stats` reads a prepared directory or a file from `dflash data prompts`"
+        )
+    print(format_source_counts(sidecar))
+    print(json.dumps({"sources_spec": sidecar.get("sources_spec"), "seed": sidecar.get("seed")}))
+    return 0
+
+
+def print_manifest_sources(manifest: dict[str, Any]) -> None:
+    """Per-source documents and tokens of a prepared directory (and the mixture's counts)."""
+    from dflash_trainer.data.mixture import format_prepared_sources, format_source_counts
+
+    if manifest.get("sources"):
+        print("\nper source (prepared documents):")
+        print(format_prepared_sources(manifest["sources"]))
+    if manifest.get("source_mixture"):
+        print("\nper source (read by `dflash data prompts`):")
+        print(format_source_counts(manifest["source_mixture"]))
