@@ -281,7 +281,7 @@ def regenerate(
     )
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     chat = ChatTemplate.probe(tokenizer, **kwargs)
-    stops = stop_ids(tokenizer, chat, model if backend == "hf" else None)
+    stops = stop_ids(tokenizer, chat, model if backend in ("hf", "static") else None)
     if not stops:
         raise DFlashError(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
