@@ -268,3 +268,77 @@ def test_compare_throughput_counts_useful_tokens_of_both_paths(model: Any, tok: 
     r = compare_throughput(prompts, model, tok, settings, batch_size=4, baseline_prompts=2)
     assert r["batched_tokens"] == 6 * 5 and r["per_prompt_tokens"] == 2 * 5  # no stop: all length
     assert r["batched_tokens_per_s"] > 0 and r["per_prompt_tokens_per_s"] > 0
+
+
+def _talkative(tok: Any, eos: list[int]) -> Any:
+    """A tiny llama with an untied random head: with tied embeddings it repeats the prompt's
+    last token forever; this one says varied tokens, and `eos` (ids it does say) make its
+    turns end at different depths."""
+    m = tiny_llama(len(tok), seed=1, eos_token_id=eos)
+    g = torch.Generator().manual_seed(1)
+    m.lm_head.weight = torch.nn.Parameter(torch.randn(m.lm_head.weight.shape, generator=g))
+    return m
+
+
+def _without_backend(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for r in records:
+        gen = {k: v for k, v in r["generation"].items() if k != "backend"}
+        out[r["id"]] = {**r, "generation": gen}
+    return out
+
+
+@pytest.mark.parametrize("max_turns", [None, 1])
+def test_the_static_engine_writes_the_records_the_hf_path_writes(
+    tmp_path: Path, model: Any, tok: Any, max_turns: int | None
+) -> None:
+    m = _talkative(tok, eos=[2, 195, 259])
+    convs = _convs(9, turns=3)
+    kw: dict[str, Any] = {"max_new_tokens": 12, "max_turns": max_turns, "window": 5}
+    hf = _run(convs, m, tok, tmp_path / "hf.jsonl", **kw)
+    static = _run(convs, m, tok, tmp_path / "static.jsonl", backend="static", **kw)
+    assert (static.written, static.new_tokens) == (hf.written, hf.new_tokens)
+    records = _lines(tmp_path / "static.jsonl")
+    assert {r["generation"]["backend"] for r in records} == {"static"}
+    assert _without_backend(records) == _without_backend(_lines(tmp_path / "hf.jsonl"))
+    turns = [len(r["generation"]["finish_reasons"]) for r in records]
+    assert max(turns) == (max_turns or 3)  # every user turn answered, up to max_turns
+    if max_turns is None:
+        reasons = {x for r in records for x in r["generation"]["finish_reasons"]}
+        assert reasons == {"stop", "length"}
+
+
+def test_conversation_budget_cuts_at_a_turn_boundary_and_prepare_keeps_every_turn(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    chat = ChatTemplate.probe(tok)
+    convs = _convs(8, turns=3)
+    free = tmp_path / "free.jsonl"
+    _run(convs, model, tok, free, max_new_tokens=8)
+    full = {r["id"]: r for r in _lines(free)}
+
+    def length(messages: list[dict[str, str]]) -> int:
+        return len(tok(chat.render(messages), add_special_tokens=False)["input_ids"])
+
+    lengths = sorted(length(r["messages"]) for r in full.values())
+    budget = lengths[len(lengths) // 2]  # about half the conversations are too long
+    out = tmp_path / "cut.jsonl"
+    report = _run(convs, model, tok, out, max_new_tokens=8, max_conversation_tokens=budget)
+    cut = {r["id"]: r for r in _lines(out)}
+    assert report.cut_at_conversation_limit > 0
+    assert report.written + report.skipped_conversation_too_long == len(convs)
+    n_cut = 0
+    for rid, rec in cut.items():
+        msgs = rec["messages"]
+        assert length(msgs) <= budget and msgs[-1]["role"] == "assistant"
+        whole = full[rid]["messages"]
+        assert msgs == whole[: len(msgs)]  # a prefix of the uncut conversation, whole turns
+        n_cut += len(msgs) < len(whole)
+        assert len(rec["generation"]["finish_reasons"]) == sum(m["role"] == "user" for m in msgs)
+        # One training document per conversation, every assistant turn supervised.
+        (doc,) = chat.tokenize([Conversation(rid, msgs)])
+        spans = int((doc.loss_mask[1:] & ~doc.loss_mask[:-1]).sum() + doc.loss_mask[0])
+        assert spans == sum(m["role"] == "assistant" for m in msgs)
+    assert n_cut == report.cut_at_conversation_limit
+    skipped = [c.id for c in convs if c.id not in cut]
+    assert len(skipped) == report.skipped_conversation_too_long

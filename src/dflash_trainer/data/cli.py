@@ -58,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--max-turns", type=int, help="answer only the first N user turns")
     r.add_argument(
+        "--max-conversation-tokens",
+        type=int,
+        help="end a conversation at the last turn whose render fits N tokens (default: no limit)",
+    )
+    r.add_argument(
         "--backend",
-        choices=["auto", "hf", "vllm"],
+        choices=["auto", "hf", "static", "vllm"],
         default="auto",
-        help="auto: vllm when it is installed and a GPU is present, else hf",
+        help="auto: the static engine on a GPU when the target allows it, else hf",
     )
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
@@ -129,9 +134,20 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _regenerate(args: argparse.Namespace) -> int:
-    import importlib.util
+def _engine_or_hf(backend: str, model: object) -> str:
+    """auto -> the static engine when it can run the target, else hf with a one-line notice."""
+    from dflash_trainer.data.engine import engine_notice
 
+    if backend != "auto":
+        return backend
+    why = engine_notice(model)
+    if why is None:
+        return "static"
+    print(f"dflash: regenerating with the HF batched path: {why}", file=sys.stderr)
+    return "hf"
+
+
+def _regenerate(args: argparse.Namespace) -> int:
     from dflash_trainer.data.formats import read_records
     from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
     from dflash_trainer.data.records import Conversation, ReadReport
@@ -139,9 +155,6 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     device = _resolve_device(args.device)
     backend = args.backend
-    if backend == "auto":
-        has_vllm = importlib.util.find_spec("vllm") is not None
-        backend = "vllm" if has_vllm and device.startswith("cuda") else "hf"
     report = ReadReport(source=args.input)
     records = read_records(args.input, args.format, report, False, args.max_records)
     convs = [c for c in records if isinstance(c, Conversation)]
@@ -158,6 +171,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         model = load_llm(str(Path(where) / gguf) if gguf else where, args.dtype, args.seed, tok_dir)
     else:
         model = load_causal_lm(args.model, device, args.dtype)
+        backend = _engine_or_hf(backend, model)
     result = regenerate(
         convs,
         model,
@@ -170,6 +184,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_prompt_tokens=args.max_prompt_tokens or None,
         max_turns=args.max_turns,
+        max_conversation_tokens=args.max_conversation_tokens,
         model_name=args.model,
         backend=backend,
         seed=args.seed,
@@ -179,6 +194,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
         f"{result.skipped_prompt_too_long} skipped: first prompt too long, "
         f"{result.truncated_at_prompt_limit} cut at the prompt limit, "
+        f"{result.cut_at_conversation_limit} cut and {result.skipped_conversation_too_long} "
+        "skipped at the conversation token limit, "
         f"{result.oom_splits} batches split after running out of GPU memory); "
         f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"

@@ -9,8 +9,15 @@ Throughput: the pending prompts of a round are sorted by length and generated in
 batches (little padding per batch; left padding so that every row's next token sits in the last
 column). Conversations are processed in windows of `window` conversations: round r generates
 turn r of every unfinished conversation of the window. Per-prompt HF `generate` is available as
-`per_prompt_generate`, the baseline the benchmark compares against. vLLM, when installed, is a
-separate backend (vllm_backend.py) behind the same two-method interface.
+`per_prompt_generate`, the baseline the benchmark compares against. The static engine
+(engine.py: fixed-size caches, continuous batching, CUDA graphs) is the default on a GPU for
+the targets it supports and gets a whole round at once; vLLM, when installed, is a separate
+backend (vllm_backend.py) behind the same two-method interface.
+
+Length: with `max_conversation_tokens`, a conversation whose render would grow past the budget
+ends at the last turn that fits (the turn that overflowed is dropped; a conversation whose
+first turn does not fit is skipped), so prepare keeps one document per conversation with
+every assistant turn in it.
 
 Output: JSON Lines in the OpenAI messages format, one record per conversation:
     {"id", "messages": [...], "generation": {model, backend, temperature, top_p, max_new_tokens,
@@ -206,6 +213,10 @@ class RegenerateReport:
     already_done: int = 0
     skipped_prompt_too_long: int = 0
     truncated_at_prompt_limit: int = 0
+    cut_at_conversation_limit: int = 0
+    """Conversations ended at a turn boundary by max_conversation_tokens."""
+    skipped_conversation_too_long: int = 0
+    """Conversations whose first turn alone exceeds max_conversation_tokens."""
     oom_splits: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -246,6 +257,7 @@ def regenerate(
     batch_size: int = 32,
     max_prompt_tokens: int | None = None,
     max_turns: int | None = None,
+    max_conversation_tokens: int | None = None,
     model_name: str | None = None,
     backend: str = "hf",
     seed: int = 0,
@@ -254,10 +266,11 @@ def regenerate(
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
-    `model` is an HF causal LM (backend "hf") or a `vllm.LLM` (backend "vllm"). A conversation's
-    user turns are answered in order (system turn kept, source answers discarded); with
-    `max_turns` only the first turns are. A prompt over `max_prompt_tokens` ends the
-    conversation there (its first prompt: the record is skipped).
+    `model` is an HF causal LM (backends "hf" and "static") or a `vllm.LLM` (backend "vllm").
+    A conversation's user turns are answered in order (system turn kept, source answers
+    discarded); with `max_turns` only the first turns are. A prompt over `max_prompt_tokens`
+    ends the conversation there (its first prompt: the record is skipped); so does a turn
+    that takes the rendered conversation over `max_conversation_tokens` (module docstring).
     """
     import torch
 
@@ -268,7 +281,7 @@ def regenerate(
     )
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     chat = ChatTemplate.probe(tokenizer, **kwargs)
-    stops = stop_ids(tokenizer, chat, model if backend == "hf" else None)
+    stops = stop_ids(tokenizer, chat, model if backend in ("hf", "static") else None)
     if not stops:
         raise DFlashError(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
@@ -277,12 +290,16 @@ def regenerate(
     generator: Generator
     if backend == "hf":
         generator = HFBatchGenerator(model, settings, stops, pad_id, batch_size)
+    elif backend == "static":
+        from dflash_trainer.data.engine import StaticBatchEngine
+
+        generator = StaticBatchEngine(model, settings, stops, pad_id, rows=batch_size)
     elif backend == "vllm":
         from dflash_trainer.data.vllm_backend import VLLMGenerator
 
         generator = VLLMGenerator(model, settings, stops)
     else:
-        raise DFlashError(f"unknown backend {backend!r}; use hf or vllm")
+        raise DFlashError(f"unknown backend {backend!r}; use hf, static or vllm")
 
     report = RegenerateReport()
     done = read_done(out, settings)
@@ -296,6 +313,7 @@ def regenerate(
     torch.manual_seed(seed)
     writer, bar = _Writer(out, settings), _progress(len(pending), progress)
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
+    job.max_conversation_tokens = max_conversation_tokens
     job.t0 = time.perf_counter()
     step = window or batch_size * 8
     try:
@@ -326,6 +344,7 @@ class _Job:
     report: RegenerateReport
     bar: Any
     t0: float
+    max_conversation_tokens: int | None = None
 
     def start(self, conv: Conversation) -> _State:
         head = [m for m in conv.messages[:1] if m["role"] == "system"]
@@ -345,6 +364,8 @@ class _Job:
                 outs = self.generator.generate([s.prompt or [] for s in batch])
                 for s, new_ids in zip(batch, outs):
                     self._answer(s, new_ids)
+                    if not self._within_budget(s):
+                        continue
                     if s.users:
                         active.append(s)
                     else:
@@ -354,6 +375,10 @@ class _Job:
 
     def _prompt_fits(self, s: _State) -> bool:
         s.prompt = self.chat.prompt_ids([*s.messages, {"role": "user", "content": s.users[0]}])
+        budget = self.max_conversation_tokens
+        if budget is not None and len(s.prompt) >= budget:  # no room left for an answer
+            self._over_budget(s)
+            return False
         if self.max_prompt_tokens is None or len(s.prompt) <= self.max_prompt_tokens:
             return True
         if s.finish_reasons:  # the history grew too long: keep the turns answered so far
@@ -374,6 +399,29 @@ class _Job:
         s.finish_reasons.append(reason)
         s.completion_tokens.append(n)
         self.report.new_tokens += n
+
+    def _within_budget(self, s: _State) -> bool:
+        """False (and the conversation ended) when the answered turn overflowed the budget."""
+        budget = self.max_conversation_tokens
+        if budget is None:
+            return True
+        text = self.chat.render(s.messages)
+        if len(self.chat.tokenizer(text, add_special_tokens=False)["input_ids"]) <= budget:
+            return True
+        del s.messages[-2:]  # the turn that did not fit: the conversation ends before it
+        s.finish_reasons.pop()
+        s.completion_tokens.pop()
+        self._over_budget(s)
+        return False
+
+    def _over_budget(self, s: _State) -> None:
+        s.users.clear()
+        if s.finish_reasons:
+            self.report.cut_at_conversation_limit += 1
+            self._finish(s)
+        else:
+            self.report.skipped_conversation_too_long += 1
+            self.bar.update(1)
 
     def _finish(self, s: _State) -> None:
         self.writer.write(s)

@@ -113,14 +113,24 @@ class _Replay:
 
 class _SlotCache:
     """What HF attention layers need of a cache: `update` writes the new K/V at `positions`
-    of a [1, Hkv, L, D] buffer per layer and returns the whole buffer (the mask hides the
-    positions not yet written or no longer committed)."""
+    of a [batch, Hkv, L, D] buffer per layer and returns the whole buffer (the mask hides the
+    positions not yet written or no longer committed).
 
-    def __init__(self, capacity: int) -> None:
+    Batch 1 (the speculative loop): `positions` [S] is where the S fed tokens go.
+    Several rows (batched regeneration, data/engine.py): `rows` [R] names the cache rows fed
+    and `positions` [R, S] where each row's tokens go, so every row keeps its own length. With
+    `fresh` (the prefill of new prompts) the rows attend only to what they are fed, so update
+    returns the fed K/V themselves rather than the buffer: nothing before them is theirs.
+    """
+
+    def __init__(self, capacity: int, batch: int | None = None) -> None:
         self.capacity = capacity
+        self.batch = batch
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.fresh = False
 
     def update(
         self,
@@ -133,13 +143,22 @@ class _SlotCache:
         assert self.positions is not None
         if layer_idx not in self.keys:
             b, h, _s, d = key_states.shape
+            b = self.batch or b
             self.keys[layer_idx] = key_states.new_zeros(b, h, self.capacity, d)
             self.values[layer_idx] = value_states.new_zeros(
                 b, h, self.capacity, value_states.shape[-1]
             )
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys.index_copy_(2, self.positions, key_states)
-        values.index_copy_(2, self.positions, value_states)
+        if self.rows is None:
+            keys.index_copy_(2, self.positions, key_states)
+            values.index_copy_(2, self.positions, value_states)
+            return keys, values
+        # Advanced indices around a slice: the indexed view is [R, S, Hkv, D].
+        where = (self.rows[:, None], slice(None), self.positions)
+        keys[where] = key_states.transpose(1, 2).to(keys.dtype)
+        values[where] = value_states.transpose(1, 2).to(values.dtype)
+        if self.fresh:
+            return key_states, value_states
         return keys, values
 
 

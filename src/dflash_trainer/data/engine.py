@@ -1,0 +1,381 @@
+"""A batched static-shape generation engine: fixed KV caches of B rows, continuous batching,
+one CUDA graph per decode step. The fast backend of regeneration and synthesis.
+
+Why: HF `generate` on a small target is launch-bound (a few hundred kernels and much Python
+per step), and a left-padded batch keeps decoding rows that stopped long ago while the longest
+answer finishes. Here:
+- Cache: per layer a [B, Hkv, L, D] buffer (static_decode._SlotCache with rows). Every row has
+  its own length: a row's token at position p is written at slot p of its row, and a 4D mask
+  (key slot <= p) hides everything past it. Stale K/V of a previous prompt is never cleared:
+  it lies beyond the new prompt and every decode step writes its slot before attending to it.
+- Decode step: the B rows' next tokens at their own positions, the logits, the choice of the
+  next token and the position advance form one static shape, replayed as one CUDA graph on
+  a GPU (run eagerly on CPU: the same code, the "static" path the tests check).
+- Continuous batching: a row that stops is refilled with the next waiting prompt; refills are
+  grouped (`refill_rows` free rows at a time on a GPU: an eager prefill costs as much as many
+  graph steps) and prefilled together, left-padded. Padded columns get the positions after
+  the prompt, so each row still writes slots 0..W-1 once and reads its last token's logits in
+  the last column.
+- Length buckets: prompts are served shortest first, and the cache length L is a power of two
+  covering prompt + max_new_tokens; a longer prompt waits until the batch drains, then the
+  cache and graph are rebuilt for the next bucket (short prompts do not pay for long ones).
+- Sampling: greedy (argmax), or temperature / top_p with noise drawn from a counter-based hash
+  of (row key, position): a prompt's answer depends on its key and the seed only, not on which
+  rows ran beside it, so a resumed job draws what an uninterrupted one would have.
+
+Supported: the targets static_decode.static_support accepts (attention-only, no sliding
+window, sdpa or eager attention, one device). Greedy answers equal HF `generate`'s token for
+token in fp32 (tests/test_regen_engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_trainer.data.settings import GenerationSettings
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.speculative import _cache_kwarg
+from dflash_trainer.eval.static_decode import _Replay, _SlotCache, static_support
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (int64 arithmetic; only the low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1), a pure function of (key, step, token id): the same on CPU and
+    GPU, eager or replayed, whatever else is in the batch."""
+    cols = torch.arange(vocab, device=keys_B.device, dtype=torch.long)
+    row = _fmix((_fmix(keys_B & _M32) ^ (steps_B * 0x9E3779B1)) & _M32)
+    h = _fmix((row[:, None] ^ (cols[None, :] * 0x27D4EB2F)) & _M32)
+    return (h.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+
+
+def pick_tokens(
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    keys_B: torch.Tensor,
+    steps_B: torch.Tensor,
+) -> torch.Tensor:
+    """Next token per row: argmax at temperature 0, else a keyed draw from the tempered
+    distribution cut to its top_p nucleus (an exponential race: argmax of p / Exp(1) noise)."""
+    if temperature <= 0:
+        return logits_BV.argmax(-1)
+    probs = torch.softmax(logits_BV / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep a token while the mass before it is below top_p (the first is always kept).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    noise = -torch.log(keyed_uniform(keys_B, steps_B, probs.shape[-1]))
+    return (probs / noise).argmax(-1)
+
+
+def item_key(*parts: int | str) -> int:
+    """A 31-bit key from ints and strings (stable across runs, unlike hash())."""
+    import zlib
+
+    return zlib.crc32("\x1f".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+def cache_length(tokens: int) -> int:
+    """The cache bucket for sequences of `tokens` positions: a power of two, at least 256."""
+    return max(256, 1 << math.ceil(math.log2(max(tokens, 1))))
+
+
+def _kv_bytes_per_position(model: Any) -> int:
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv * dim * model.dtype.itemsize
+
+
+@dataclass
+class EngineStats:
+    decode_steps: int = 0
+    row_steps_busy: int = 0
+    """Decode rows that held a live prompt (utilisation = row_steps_busy / (steps x rows))."""
+    prefills: int = 0
+    builds: int = 0
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    """(rows, cache length) of every build."""
+
+
+class StaticBatchEngine:
+    """Regeneration's `Generator` over fixed-size caches (see the module docstring)."""
+
+    max_batch: int | None = None  # the whole round at once: the engine batches by itself
+
+    def __init__(
+        self,
+        model: Any,
+        settings: GenerationSettings,
+        stops: list[int],
+        pad_id: int,
+        rows: int = 64,
+        graphs: bool | None = None,
+        refill_rows: int | None = None,
+        prefill_tokens: int | None = None,
+        kv_fraction: float = 0.5,
+    ) -> None:
+        why = static_support(model)
+        if why is not None:
+            raise DFlashError(f"the static engine cannot run this target: {why}")
+        self.model, self.pad_id = model, pad_id
+        self.device = next(model.parameters()).device
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        self.max_rows = rows
+        self.refill_rows = refill_rows
+        self.prefill_tokens = prefill_tokens or (32768 if cuda else 4096)
+        self.kv_fraction = kv_fraction
+        self.settings = settings
+        self.stop_set = set(stops)
+        self.cache_kwarg = _cache_kwarg(model)
+        impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.bool_mask = impl != "eager"
+        self.calls = 0
+        self.stats = EngineStats()
+        self._shape: tuple[int, int] | None = None
+        self._replay: _Replay | None = None
+        self._memory_capped = False
+        self.cache = _SlotCache(1, 1)
+        self.oom_splits = 0
+
+    # --- building a shape
+
+    def _rows_for(self, length: int, wanted: int) -> int:
+        """Rows for a cache of `length` positions: the batch size, or fewer when few prompts
+        wait (a power of two, so that later groups reuse the shape) or memory is short."""
+        rows = min(self.max_rows, 1 << math.ceil(math.log2(max(wanted, 1))))
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            fit = int(self.kv_fraction * free) // (length * _kv_bytes_per_position(self.model))
+            rows = max(1, min(rows, fit))
+        return rows
+
+    def _release(self) -> None:
+        self._replay, self._shape = None, None
+        self.cache = _SlotCache(1, 1)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous shape's buffers and graph pool
+
+    def _build(self, rows: int, length: int) -> None:
+        """Caches, static inputs and the decode step (captured on CUDA) for this shape."""
+        self.cache = _SlotCache(length, rows)
+        dev = self.device
+        self.ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.keys = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.row_ix = torch.arange(rows, device=dev)
+        self.cols = torch.arange(length, device=dev)
+        self.length = length
+        with torch.inference_mode():
+            self._decode()  # allocates every layer's buffer before any capture
+            try:
+                self._replay = _Replay(self._decode, self.graphs)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a capture that fails names the op; eager still works
+                if not self.graphs:
+                    raise
+                print(
+                    f"dflash: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                    "the engine continues without graphs",
+                    file=sys.stderr,
+                )
+                self.graphs = False
+                self._replay = _Replay(self._decode, False)
+        self.pos.zero_()
+        self._shape = (rows, length)
+        self.stats.builds += 1
+        self.stats.shapes.append((rows, length))
+
+    def _ensure(self, length: int, wanted: int) -> int:
+        """Build (or keep) a shape for `wanted` prompts of this cache length; its rows."""
+        if self._shape is not None and self._shape[1] == length:
+            if self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped:
+                return self._shape[0]
+        self._release()
+        rows = self._rows_for(length, wanted)
+        self._memory_capped = rows < min(self.max_rows, wanted)
+        while True:
+            try:
+                self._build(rows, length)
+                return rows
+            except torch.OutOfMemoryError:
+                self._release()
+                if rows == 1:
+                    raise DFlashError(
+                        f"out of GPU memory building a 1-row cache of {length} positions; "
+                        "lower --max-prompt-tokens or --max-new-tokens, or free the GPU"
+                    ) from None
+                self.oom_splits += 1
+                self._memory_capped = True
+                rows //= 2
+
+    # --- forwards
+
+    def _mask(self, ok: torch.Tensor) -> torch.Tensor:
+        if self.bool_mask:
+            return ok
+        dtype = self.model.dtype
+        zero = torch.zeros((), dtype=dtype, device=ok.device)
+        return torch.where(ok, zero, torch.finfo(dtype).min)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=self._mask(mask)[:, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kwarg: self.cache},
+        )
+        return out.logits[:, -1].float()
+
+    def _pick(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        s = self.settings
+        return pick_tokens(logits, s.temperature, s.top_p, keys, steps)
+
+    def _decode(self) -> torch.Tensor:
+        """One step of every row (the static shape the graph replays)."""
+        self.cache.rows, self.cache.positions, self.cache.fresh = self.row_ix, self.pos[:, None], False
+        mask = (self.cols[None, :] <= self.pos[:, None])[:, None, :]  # [B, 1, L]
+        logits = self._forward(self.ids, self.pos[:, None], mask)
+        tok = self._pick(logits, self.keys, self.pos)
+        self.ids.copy_(tok[:, None])
+        # Idle rows keep stepping; the clamp keeps them inside the buffer (a live row never
+        # gets there: L >= prompt + max_new_tokens).
+        self.pos.add_(1).clamp_(max=self.length - 1)
+        return tok
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> list[int]:
+        """Feed new prompts into cache rows `slots`; their first new tokens."""
+        k, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
+        pos = torch.empty((k, width), dtype=torch.long)
+        real = torch.zeros((k, width), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            n = len(p)
+            ids[i, width - n :] = torch.tensor(p, dtype=torch.long)
+            pos[i, width - n :] = torch.arange(n)
+            pos[i, : width - n] = torch.arange(n, width)  # padding: slots after the prompt
+            real[i, width - n :] = True
+        dev = self.device
+        ids, pos, real = ids.to(dev), pos.to(dev), real.to(dev)
+        mask = (pos[:, None, :] <= pos[:, :, None]) & real[:, None, :]  # [k, Wq, Wk]
+        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        keys_t = torch.tensor(keys, dtype=torch.long, device=dev)
+        self.cache.rows, self.cache.positions, self.cache.fresh = slots_t, pos, True
+        logits = self._forward(ids, pos, mask)
+        first = self._pick(logits, keys_t, pos[:, -1])
+        self.ids[slots_t] = first[:, None]
+        self.pos[slots_t] = pos[:, -1] + 1
+        self.keys[slots_t] = keys_t
+        self.stats.prefills += 1
+        return first.tolist()
+
+    # --- scheduling
+
+    def generate(self, prompts: list[list[int]], keys: list[int] | None = None) -> list[list[int]]:
+        """New token ids per prompt, ending at the first stop id or after max_new_tokens.
+
+        `keys` seed each prompt's sampling (default: the job's seed, this call's number and the
+        prompt's index); greedy decoding ignores them.
+        """
+        if keys is None:
+            keys = [item_key(self.settings.seed, self.calls, i) for i in range(len(prompts))]
+        self.calls += 1
+        outs: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        new = self.settings.max_new_tokens
+        group: list[int] = []
+        with torch.inference_mode():
+            for i in order:
+                if group and cache_length(len(prompts[i]) + new) != cache_length(
+                    len(prompts[group[0]]) + new
+                ):
+                    self._run_group(group, prompts, keys, outs)
+                    group = []
+                group.append(i)
+            if group:
+                self._run_group(group, prompts, keys, outs)
+        return outs
+
+    def _run_group(
+        self, group: list[int], prompts: list[list[int]], keys: list[int], outs: list[list[int]]
+    ) -> None:
+        """Continuous batching over prompts of one cache-length bucket (shortest first)."""
+        length = cache_length(len(prompts[group[-1]]) + self.settings.max_new_tokens)
+        rows = self._ensure(length, len(group))
+        default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
+        refill_at = min(self.refill_rows or default_refill, rows)
+        queue = deque(group)
+        free = list(range(rows))
+        live: dict[int, int] = {}  # cache row -> prompt index
+        while queue or live:
+            if queue and (not live or len(free) >= min(refill_at, len(queue))):
+                self._refill(queue, free, live, prompts, keys, outs)
+                continue
+            assert self._replay is not None
+            tok = self._replay().tolist()
+            self.stats.decode_steps += 1
+            self.stats.row_steps_busy += len(live)
+            for slot, i in list(live.items()):
+                outs[i].append(tok[slot])
+                if self._done(outs[i]):
+                    del live[slot]
+                    free.append(slot)
+
+    def _done(self, toks: list[int]) -> bool:
+        return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
+
+    def _refill(
+        self,
+        queue: deque[int],
+        free: list[int],
+        live: dict[int, int],
+        prompts: list[list[int]],
+        keys: list[int],
+        outs: list[list[int]],
+    ) -> None:
+        """Prefill waiting prompts into the free rows, in chunks of at most prefill_tokens."""
+        free.sort()
+        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        while take:
+            chunk = [take.pop(0)]
+            while take and (len(chunk) + 1) * len(prompts[take[0]]) <= self.prefill_tokens:
+                chunk.append(take.pop(0))  # sorted by length: the last is the widest
+            slots = [free.pop(0) for _ in chunk]
+            firsts = self._prefill(slots, [prompts[i] for i in chunk], [keys[i] for i in chunk])
+            for slot, i, t in zip(slots, chunk, firsts):
+                outs[i].append(t)
+                if self._done(outs[i]):
+                    free.append(slot)
+                else:
+                    live[slot] = i
+
+
+def engine_notice(model: Any) -> str | None:
+    """None when the engine can run `model` on its device, else why (for a one-line notice)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return f"the target is on {device.type}, the static engine is the GPU default"
+    return static_support(model)

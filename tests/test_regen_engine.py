@@ -1,0 +1,160 @@
+"""The static batch engine (data/engine.py) against HF `generate`, on CPU in fp32.
+
+The CPU runs the engine's static path eagerly: the fixed caches, per-row positions, masks,
+refills and length buckets are exactly what a CUDA graph replays, so token-for-token equality
+with HF `generate` here checks the graph path's logic; tests/test_regen_engine_gpu.py checks
+the captured graphs against this eager path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_data_support import tiny_llama
+from test_speculative import tiny_qwen3, tiny_sliding
+from test_target import tiny_hybrid
+
+from dflash_trainer.data.engine import (
+    StaticBatchEngine,
+    engine_notice,
+    item_key,
+    keyed_uniform,
+    pick_tokens,
+)
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop, per_prompt_generate
+from dflash_trainer.errors import DFlashError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = [3, 41, 7, 130, 5, 5, 260, 22, 64, 9]  # 260 + new tokens: a second cache bucket
+
+
+def _prompts(vocab: int, lengths: list[int] = LENGTHS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _staggered_stops(model: Any, prompts: list[list[int]], new: int) -> list[int]:
+    """Stop ids taken from the model's own greedy answers at different depths, so that rows
+    finish at different steps (a random model rarely says its EOS)."""
+    free = per_prompt_generate(model, prompts, GenerationSettings("m", max_new_tokens=new), [], 0)
+    return sorted({out[(3 * i) % new] for i, out in enumerate(free) if i % 3})
+
+
+def _hf(model: Any, prompts: list[list[int]], new: int, stops: list[int]) -> list[list[int]]:
+    outs = per_prompt_generate(model, prompts, GenerationSettings("m", max_new_tokens=new), stops, 0)
+    return [o[: cut_at_stop(o, stops)[2]] for o in outs]
+
+
+MODELS = {
+    "llama-sdpa": lambda: tiny_llama(400),
+    "qwen3-eager": lambda: tiny_qwen3(seed=1, attn="eager"),
+    "qwen3-sdpa": lambda: tiny_qwen3(seed=2, attn="sdpa"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_greedy_answers_equal_hf_generate_with_refills_and_buckets(kind: str) -> None:
+    model = MODELS[kind]()
+    vocab = model.config.vocab_size
+    prompts, new = _prompts(vocab), 24
+    stops = _staggered_stops(model, prompts, new)
+    ref = _hf(model, prompts, new, stops)
+    engine = StaticBatchEngine(model, GenerationSettings("m", max_new_tokens=new), stops, 0, rows=3)
+    outs = engine.generate(prompts)
+    assert outs == ref
+    assert len({len(o) for o in ref}) >= 3  # rows stopped at several depths
+    assert engine.stats.prefills > 3  # rows were refilled as they finished
+    assert [length for _, length in engine.stats.shapes] == [256, 512]  # two length buckets
+    # A second call on the same engine (the next regeneration round) reuses the shapes.
+    assert engine.generate(prompts[:4]) == ref[:4]
+
+
+def test_one_row_and_many_rows_give_the_same_answers() -> None:
+    model = tiny_llama(400)
+    prompts = _prompts(400, [12, 3, 30, 8, 8, 17])
+    settings = GenerationSettings("m", max_new_tokens=10)
+    one = StaticBatchEngine(model, settings, [5], 0, rows=1).generate(prompts)
+    wide = StaticBatchEngine(model, settings, [5], 0, rows=8, refill_rows=4).generate(prompts)
+    assert one == wide == _hf(model, prompts, 10, [5])
+
+
+def test_sampling_is_reproducible_and_independent_of_the_batch() -> None:
+    model = tiny_llama(400)
+    prompts = _prompts(400, [4, 20, 9, 9, 50])
+    keys = [item_key(7, i) for i in range(len(prompts))]
+    settings = GenerationSettings("m", temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7)
+    a = StaticBatchEngine(model, settings, [], 0, rows=2).generate(prompts, keys)
+    b = StaticBatchEngine(model, settings, [], 0, rows=5).generate(prompts, keys)
+    alone = [StaticBatchEngine(model, settings, [], 0, rows=1).generate([p], [k])[0]
+             for p, k in zip(prompts, keys)]  # fmt: skip
+    assert a == b == alone
+    other = StaticBatchEngine(model, settings, [], 0, rows=2).generate(
+        prompts, [item_key(8, i) for i in range(len(prompts))]
+    )
+    assert other != a
+    greedy = StaticBatchEngine(model, GenerationSettings("m", max_new_tokens=12), [], 0, rows=2)
+    assert greedy.generate(prompts) != a  # temperature 1 does sample
+
+
+def test_keyed_draws_follow_the_distribution_and_its_nucleus() -> None:
+    u = keyed_uniform(torch.arange(4), torch.tensor([0, 1, 2, 3]), 50_000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1])
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20_000, 4)
+    keys, steps = torch.arange(20_000), torch.zeros(20_000, dtype=torch.long)
+    drawn = pick_tokens(logits, 1.0, 1.0, keys, steps)
+    freq = torch.bincount(drawn, minlength=4).float() / 20_000
+    assert torch.allclose(freq, probs, atol=0.015), freq
+    nucleus = pick_tokens(logits, 1.0, 0.7, keys, steps)  # 0.5 + 0.3 reach 0.7: two tokens
+    assert set(nucleus.tolist()) == {0, 1}
+    share0 = (nucleus == 0).float().mean().item()
+    assert abs(share0 - 0.5 / 0.8) < 0.02
+    assert torch.equal(pick_tokens(logits[:5], 0.0, 1.0, keys[:5], steps[:5]), torch.zeros(5).long())
+
+
+def test_targets_without_a_static_cache_are_refused_with_the_reason() -> None:
+    settings = GenerationSettings("m", max_new_tokens=4)
+    for model, why in ((tiny_sliding(), "sliding"), (tiny_hybrid(), "layer types")):
+        with pytest.raises(DFlashError, match=why):
+            StaticBatchEngine(model, settings, [1], 0)
+        assert why in (engine_notice(model) or "") or "cpu" in (engine_notice(model) or "")
+    assert "cpu" in (engine_notice(tiny_llama(400)) or "")
+
+
+def test_auto_backend_falls_back_to_hf_with_a_notice(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_trainer.data.cli import _engine_or_hf
+
+    assert _engine_or_hf("auto", tiny_llama(400)) == "hf"
+    assert "HF batched path: the target is on cpu" in capsys.readouterr().err
+    assert _engine_or_hf("static", tiny_llama(400)) == "static"
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_answers_equal_hf_generate() -> None:
+    from test_data_support import smollm2_tokenizer
+
+    from dflash_trainer.data.loading import load_causal_lm
+    from dflash_trainer.data.regenerate import stop_ids
+    from dflash_trainer.data.template import ChatTemplate
+
+    tok = smollm2_tokenizer()
+    model = load_causal_lm("asset:smollm2-135m-instruct", "cpu", "float32")
+    chat = ChatTemplate.probe(tok)
+    questions = [
+        "What is 2+2?",
+        "Write a haiku about the sea.",
+        "Explain in detail how a hash table handles collisions, with an example in Python. "
+        * 3,
+        "Hi",
+        "Name three prime numbers.",
+    ]
+    prompts = [chat.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+    stops = stop_ids(tok, chat, model)
+    ref = _hf(model, prompts, 16, stops)
+    engine = StaticBatchEngine(model, GenerationSettings("s", max_new_tokens=16), stops, 0, rows=2)
+    assert engine.generate(prompts) == ref
+    assert any(len(r) < 16 for r in ref)  # at least one answer stopped by itself
