@@ -7,9 +7,10 @@ every verify step should then accept (nearly) the whole block: tau close to the 
 
 The gate runs the served side three ways:
 - `evaluate_prompts`, the loop `dflash eval` and in-training evals run, on the trained model;
-- `dflash eval` on a z-lab export of the run (export, then the importer reads it back);
+- `dflash eval` on a bf16 z-lab export of the run (the importer reads it back), and on the
+  run's drafter files copied out of the run directory;
 - the speculative loop driving the independent reader of test_export_reader.py, which
-  drafts from the exported config.json + model.safetensors with plain torch ops.
+  drafts from a float32 export's config.json + model.safetensors with plain torch ops.
 Any disagreement between the training forward (masks, positions, tapped features, labels)
 and what serving computes shows up as tau near 1. The broken variants at the end perturb
 one thing at serve time and check that the gate then fails.
@@ -30,7 +31,7 @@ import torch
 from test_export_reader import read_export, reference_draft
 from tokenizers import Tokenizer, models, pre_tokenizers
 from trainer_utils import VOCAB, write_tiny_target
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from dflash_trainer.cli import main
 from dflash_trainer.config import EvalConfig, config_from_dict
@@ -161,13 +162,17 @@ class Trained:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    tmp = tmp_path_factory.mktemp("overfit")
+    torch.set_num_threads(1)  # a tiny model: threads only contend (see one_thread)
+    try:
+        return _train(tmp_path_factory.mktemp("overfit"))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(tmp: Path) -> Trained:
     target_dir = write_tiny_target(tmp / "target")
     tok = word_tokenizer()
     tok.save_pretrained(target_dir)  # `dflash eval --target DIR` loads it from there
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target = FrozenTarget(model, LAYER_IDS)
     messages, doc = pick_document(target, tok)
@@ -177,7 +182,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     t0 = time.perf_counter()
     Trainer(cfg, log_to_console=False).train()
     train_s = time.perf_counter() - t0
-    torch.set_num_threads(before)
     return Trained(tmp, target_dir, target, tok, messages, doc[:prompt_len], tmp / "run", train_s)
 
 
@@ -199,7 +203,8 @@ def test_eval_loop_accepts_the_memorized_answer(trained: Trained) -> None:
 
 
 def test_dflash_eval_on_a_zlab_export_accepts_the_memorized_answer(trained: Trained) -> None:
-    out = export_drafter(trained.run_dir, trained.tmp / "zlab", "zlab", dtype="float32").path
+    # bfloat16, the default: what a published export serves
+    out = export_drafter(trained.run_dir, trained.tmp / "zlab", "zlab").path
     prompts = trained.tmp / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": trained.messages}) + "\n")
     report = trained.tmp / "zlab_eval.json"
