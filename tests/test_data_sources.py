@@ -371,3 +371,13 @@ def test_prepare_counts_documents_and_tokens_per_source(tmp_path: Path, capsys: 
     assert main(["data", "stats", str(ds)]) == 0
     text = capsys.readouterr().out
     assert "per source (prepared documents)" in text and "per source (read by" in text
+
+
+def test_no_mapping_source_in_a_package_and_a_missing_plain_path(fake_package: Path) -> None:
+    _jsonl(
+        fake_package / "data" / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]
+    )
+    convs, _ = read_source(_src("pkg:dflash_fake_corpus/data/chats.jsonl", "p"))
+    assert [c.id for c in convs] == ["p/chats.jsonl:0"]
+    with pytest.raises(DFlashError, match="source file nowhere does not exist"):
+        read_source(_src("nowhere", prompt="q"))
