@@ -26,7 +26,7 @@ def test_old_run_directory_resumes_to_the_same_losses(tmp_path):
     shutil.copytree(FIXTURE, root)
     cfg_file = root / "run" / "config.yaml"
     cfg_file.write_text(cfg_file.read_text().replace(WRITTEN_AT, str(root)))
-    cfg = load_config(str(cfg_file))
+    cfg = load_config(config_file=str(cfg_file))
     trainer = Trainer(cfg, resume=True, log_to_console=False)
     assert trainer.step == 4
     trainer.train()

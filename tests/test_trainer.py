@@ -215,9 +215,10 @@ def test_in_training_eval_walks_the_held_out_split(tmp_path):
     )
     trainer = Trainer(cfg, log_to_console=False)
     trainer.train()
-    assert trainer._heldout_walk() is None  # the tiny dataset has no eval split
-    trainer.data.eval = trainer.data.train  # a split of real prepared documents
-    walk = trainer._heldout_walk()
+    ev = trainer.in_training_eval
+    assert ev.heldout_walk(trainer.drafter, trainer.target) is None  # no eval split here
+    ev.held_out = trainer.data.train  # a split of real prepared documents
+    walk = ev.heldout_walk(trainer.drafter, trainer.target)
     assert walk is not None and walk["documents"] == 6 and walk["steps"] > 0
     assert 1.0 <= walk["tau"] <= cfg.drafter.block_size
     assert trainer.drafter.training  # the walk restores the training mode

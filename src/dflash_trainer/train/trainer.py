@@ -1,17 +1,21 @@
 """The training loop.
 
-`Trainer.__init__` builds the parts in this order, because each needs the previous:
-  1. world (torchrun ranks, devices) and the run directory (config, provenance,
-     per-rank compile caches);
-  2. target (frozen, taps) and tokenizer;
-  3. drafter spec (derived from the target's config) and model, optionally from a
-     published or exported drafter;
-  4. data (prepared shards; prepared on first use) and the token-budget batcher;
-  5. data parallelism (DDP / FSDP2); compilation is *lazy*: FlexAttention is compiled
-     on the first step, never at construction (seed: compiling early corrupted caches);
-  6. optimizer and schedule;
-  7. checkpointer, then resume (weights, optimizer, schedule, RNG, data position);
-  8. metrics (JSONL, TensorBoard).
+`Trainer.__init__` builds the parts in this order, one builder per stage, each reading
+the ones before it:
+  1. `_build_world`: torchrun ranks and devices, the run directory (refusing to start
+     over a run that has checkpoints unless asked), config and provenance files;
+  2. `_build_target`: the frozen target (taps) and the drafter spec derived from it;
+  3. `_build_drafter`: the drafter, optionally from a published or exported drafter;
+  4. `_build_parallelism`: data parallelism (DDP / FSDP2) around the drafter;
+  5. `_build_compile`: whether to compile, fixed shapes, the step settings. Compilation
+     itself is *lazy*: FlexAttention is compiled on the first step, never here
+     (seed: compiling early corrupted caches);
+  6. `_build_data`: prepared shards (prepared on first use), the token-budget batcher
+     and the run's step count;
+  7. `_build_optimizer`: optimizer and schedule (the schedule needs the step count);
+  8. `_build_checkpointer`: checkpoints, then resume (train/checkpoint.py says what a
+     checkpoint holds);
+  9. `_build_metrics`: JSONL and TensorBoard, cut back to the resumed step.
 `train()` is the loop; `train_step()` reads top to bottom: target, blocks, drafter.
 """
 
@@ -21,9 +25,10 @@ import dataclasses
 import math
 import queue
 import signal
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +37,28 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
 from dflash_trainer.core.geometry import resolve_drafter_spec
-from dflash_trainer.core.loss import decay_weights
+from dflash_trainer.core.loss import decay_slot_weights
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
-from dflash_trainer.train.checkpoint import Checkpointer
-from dflash_trainer.train.dataset import TrainData, load_train_data
+from dflash_trainer.train.checkpoint import (
+    Checkpointer,
+    capture_state,
+    full_states,
+    restore_state,
+    run_meta,
+)
+from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
-from dflash_trainer.train.run_dir import MetricsLog, write_run_files
+from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (
     StepSettings,
     drafter_loss,
     prepare_blocks,
     run_target,
-    settings_from_config,
+    settings_for_spec,
 )
 
 
@@ -60,6 +72,25 @@ class StepStats:
     drafter_s: float
     tokens: int
     truncated: int
+    empty: bool = False
+    """No supervised slot in the step's anchors on any rank: skipped, schedule kept."""
+
+
+@dataclass
+class _StepAccum:
+    """What the micro-steps of one optimizer step add up."""
+
+    n_units: int
+    total_w: torch.Tensor | None = None
+    """Decay weighting: sum(w) over the step's units on every rank, known up front."""
+    dpace_w: torch.Tensor | float = 0.0
+    """D-PACE weighting: the same sum, gathered unit by unit as the drafter runs."""
+    target_s: float = 0.0
+    drafter_s: float = 0.0
+    tokens: int = 0
+    truncated: int = 0
+    loss_sum: float = 0.0
+    agg: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +157,14 @@ class TargetPrefetcher:
             self.thread.join(timeout=60)
 
 
+def _warn(msg: str) -> None:
+    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+
+
+def _quiet(msg: str) -> None:
+    """Other ranks read the same checkpoints: rank 0 alone reports on them."""
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -139,26 +178,44 @@ class Trainer:
         argv: list[str] | None = None,
         log_to_console: bool = True,
         data: TrainData | None = None,
+        overwrite: bool = False,
     ) -> None:
-        self.cfg = cfg
-        t = cfg.training
-        # 1. world and run directory
-        self.world = D.init_world(cfg.distributed, t.device)
-        self.run_dir = Path(cfg.run.output_dir)
-        self.console = log_to_console and self.world.is_main
-        if self.world.is_main:
-            write_run_files(self.run_dir, cfg, argv)
-        self.compile = (
-            t.compile if t.compile is not None else self.world.drafter_device.type == "cuda"
-        )
-        if self.compile:
-            D.set_compile_cache(self.run_dir, self.world.rank)
-        self.fixed_shapes = self.compile and t.pack_documents
+        """Build a run (stages in the module docstring's order).
 
-        # 2. target: whole on each rank, FSDP-sharded over the ranks (loaded on the host,
-        # then 1/world of each decoder layer per GPU), or spread over one process's GPUs
+        resume: continue from the newest intact checkpoint. overwrite: start over in a
+        run directory that has checkpoints, deleting them; without it that is refused.
+        """
+        self.cfg = cfg
+        self._build_world(log_to_console, resume, overwrite, argv)
+        self._build_target()
+        self._build_drafter()
+        self._build_parallelism()
+        self._build_compile()
+        self._build_data(data)
+        self._build_optimizer()
+        self._build_checkpointer(resume)
+        self._build_metrics(resume)
+
+    # --------------------------------------------------------------- builders
+
+    def _build_world(
+        self, log_to_console: bool, resume: bool, overwrite: bool, argv: list[str] | None
+    ) -> None:
+        self.world = D.init_world(self.cfg.distributed, self.cfg.training.device)
+        self.run_dir = Path(self.cfg.run.output_dir)
+        self.console = log_to_console and self.world.is_main
+        if not resume:
+            # Before any file of the run is rewritten: a fresh start over checkpoints
+            # would silently move LATEST back and repeat metrics rows.
+            check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
+        if self.world.is_main:
+            write_run_files(self.run_dir, self.cfg, argv)
+
+    def _build_target(self) -> None:
+        # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
+        # 1/world of each decoder layer per GPU), or spread over one process's GPUs.
+        cfg, dcfg = self.cfg, self.cfg.distributed
         self._log(f"loading target {cfg.target.name_or_path} ...")
-        dcfg = cfg.distributed
         model = load_target_model(
             cfg.target,
             D.target_load_device(dcfg, self.world),
@@ -168,16 +225,45 @@ class Trainer:
         D.apply_target_sharding(model, dcfg, self.world)
         self.target = FrozenTarget(model, self.spec.target_layer_ids)
 
-        # 3. drafter
+    def _build_drafter(self) -> None:
+        t = self.cfg.training
         torch.manual_seed(t.seed)
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
-        if cfg.drafter.init_from:
-            self._init_drafter_from(cfg.drafter.init_from)
+        if self.cfg.drafter.init_from:
+            self._init_drafter_from(self.cfg.drafter.init_from)
         else:
             self._init_output_norm()
         self.drafter.to(self.world.drafter_device).train()
 
-        # 4. data
+    def _build_parallelism(self) -> None:
+        if self.world.distributed and not self.cfg.training.pack_documents:
+            raise DFlashError(
+                "training.pack_documents=false (the unpacked benchmark baseline) runs a "
+                "different number of drafter forwards per rank, which data parallelism "
+                "cannot synchronise; use it with one process"
+            )
+        self.model = D.wrap_data_parallel(self.drafter, self.cfg.distributed, self.world)
+        self._lm_head: torch.Tensor | None = None
+        self._embed_table: torch.Tensor | None = None
+        # pairs: the target stage of the next step runs in one background thread
+        # (started after the warm-up step, see train()), overlapping the drafter step.
+        self.prefetch: TargetPrefetcher | None = None
+
+    def _build_compile(self) -> None:
+        t = self.cfg.training
+        dev = self.world.drafter_device
+        self.compile = t.compile if t.compile is not None else dev.type == "cuda"
+        if self.compile:
+            D.set_compile_cache(self.run_dir, self.world.rank)
+        self.fixed_shapes = self.compile and t.pack_documents
+        self._attn_fn: Any = None  # built on the first step, see _attention
+        self.settings = settings_for_spec(self.cfg, self.spec, self.fixed_shapes)
+        use_bf16 = t.precision == "bf16" and dev.type == "cuda"
+        self.autocast = torch.bfloat16 if use_bf16 else None
+        self.anchor_gen = torch.Generator().manual_seed(t.seed + 1000 * self.world.rank)
+
+    def _build_data(self, data: TrainData | None) -> None:
+        cfg, t = self.cfg, self.cfg.training
         self.data = data or load_train_data(cfg, self.run_dir, self.world.is_main)
         self.batcher = TokenBudgetBatcher(
             self.data.train.lengths,
@@ -191,50 +277,35 @@ class Trainer:
         self.total_steps = t.max_steps or max(
             1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps)
         )
+        self.in_training_eval = InTrainingEval(cfg, tokenizer_spec(cfg.target), self.data.eval)
 
-        if self.world.distributed and not t.pack_documents:
-            raise DFlashError(
-                "training.pack_documents=false (the unpacked benchmark baseline) runs a "
-                "different number of drafter forwards per rank, which data parallelism "
-                "cannot synchronise; use it with one process"
-            )
+    def _build_optimizer(self) -> None:
+        self.optimizer = build_optimizer(self.drafter, self.cfg.training)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.training, self.total_steps)
 
-        # 5. parallelism (compile is lazy, see _attention)
-        self.model = D.wrap_data_parallel(self.drafter, cfg.distributed, self.world)
-        self._attn_fn: Any = None
-        self._lm_head: torch.Tensor | None = None
-        self._embed_table: torch.Tensor | None = None
-        # pairs: the target stage of the next step runs in one background thread
-        # (started after the warm-up step, see train()), overlapping the drafter step.
-        self.prefetch: TargetPrefetcher | None = None
-
-        # 6. optimizer
-        self.optimizer = build_optimizer(self.drafter, t)
-        self.scheduler = build_scheduler(self.optimizer, t, self.total_steps)
-        self.settings = settings_from_config(cfg, self.spec.mask_token_id, self.fixed_shapes)
-        self.autocast = (
-            torch.bfloat16
-            if t.precision == "bf16" and self.world.drafter_device.type == "cuda"
-            else None
-        )
-        self.anchor_gen = torch.Generator().manual_seed(t.seed + 1000 * self.world.rank)
-
-        # 7. checkpoints and resume
+    def _build_checkpointer(self, resume: bool) -> None:
+        cfg = self.cfg
         ckpt_root = cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(ckpt_root, t.keep_last, cfg.run.storage_options)
+        log = _warn if self.world.is_main else _quiet
+        self.checkpointer = Checkpointer(
+            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log=log
+        )
         self.step = 0
+        self.micro_steps = 0  # micro-steps drawn (empty steps draw without stepping)
         self.position = Position()
         self.bad_steps = 0
         self.skipped_total = 0
         self.truncated_total = 0
         self.tokens_seen = 0
         if resume:
-            self._resume()
+            data = self.checkpointer.load()
+            restore_state(self, data)
+            self._log(f"resumed from {data.location} at step {self.step}")
 
-        # 8. metrics
+    def _build_metrics(self, resume: bool) -> None:
         self.metrics = MetricsLog(self.run_dir, enabled=self.world.is_main)
-        if resume:
-            self.metrics.truncate_after(self.step)
+        # Rows past the resumed step are redone; a fresh start redoes them all.
+        self.metrics.truncate_after(self.step if resume else 0)
         self._stop_signal: int | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -310,12 +381,10 @@ class Trainer:
         return (base * 2 + stream) % (2**63)
 
     def _unit_weight(self, blocks: Any, st: StepSettings) -> torch.Tensor | None:
-        """sum(w * valid) of a unit, as dflash_loss computes it (None for dpace)."""
+        """sum(w * valid) of a unit, with dflash_loss's own weights (None for dpace)."""
         if st.weighting != "decay":
             return None
-        valid = blocks.anchors.slot_valid_NB
-        w = decay_weights(st.block_size, st.gamma, valid.device)[None, :] * valid
-        return w.sum().float()
+        return decay_slot_weights(blocks.anchors.slot_valid_NB, st.gamma).sum()
 
     def _lm_head_on_drafter(self) -> torch.Tensor:
         if self._lm_head is None:
@@ -378,80 +447,105 @@ class Trainer:
         return st
 
     def train_step(self) -> StepStats:
-        """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage."""
+        """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage.
+
+        A step whose anchors have no supervised slot on any rank teaches nothing: it is
+        skipped (`StepStats.empty`) without using up a step of the schedule.
+        """
         t = self.cfg.training
-        ddev = self.world.drafter_device
         self.optimizer.zero_grad(set_to_none=True)
-        target_s = drafter_s = 0.0
-        tokens = truncated = 0
-        loss_sum = 0.0
-        agg: dict[str, torch.Tensor] = {}
-        attn = self._attention()
-        lm_head = self._lm_head_on_drafter()
         staged_all = []
-        for micro in range(t.grad_accum_steps):
-            index = self.step * t.grad_accum_steps + micro
-            staged_all.append((index, self._next_staged(index)))
+        for _ in range(t.grad_accum_steps):
+            staged_all.append((self.micro_steps, self._next_staged(self.micro_steps)))
+            self.micro_steps += 1
         # The step's loss is sum(w * l) / sum(w) over every supervised slot of every
         # micro-step on every rank: ranks and micro-steps count by their slot weight,
         # not equally. With decay weights the totals are known before the drafter runs
         # (one all-reduce per step); dpace weights depend on the drafter's own CE, so
         # then each micro-step is normalised on its own, across ranks.
         unit_w = [[self._unit_weight(b, st) for b, st in sd.units] for _, sd in staged_all]
-        known = all(w is not None for ws in unit_w for w in ws)
-        total_w = None
-        if known:
+        acc = _StepAccum(n_units=sum(len(sd.units) for _, sd in staged_all))
+        if all(w is not None for ws in unit_w for w in ws):
             local = torch.stack([w for ws in unit_w for w in ws if w is not None]).sum()
-            total_w = D.all_reduce_sum(local, self.world).clamp(min=1e-12)
-        n_units = sum(len(sd.units) for _, sd in staged_all)
+            acc.total_w = D.all_reduce_sum(local, self.world)
         for (index, staged), weights in zip(staged_all, unit_w):
-            target_s += staged.seconds
-            truncated += staged.truncated
-            # Noise is drawn on the drafter side only, from its own per-step seed.
-            torch.manual_seed(self._stream_seed(index, 1))
-            t1 = time.perf_counter()
-            for (blocks, settings), w in zip(staged.units, weights):
-                res = drafter_loss(
-                    self.model,
-                    blocks,
-                    self._embed_on_drafter,
-                    lm_head,
-                    settings,
-                    attn_fn=attn,
-                    use_flex=self.compile,
-                    autocast_dtype=self.autocast,
-                )
-                if total_w is not None and w is not None:
-                    scale = self.world.world_size * w.to(res.loss.device) / total_w
-                else:
-                    local_w = res.metrics["weight_sum"].float()
-                    global_w = D.all_reduce_sum(local_w, self.world).clamp(min=1e-12)
-                    scale = self.world.world_size * local_w / global_w / n_units
-                (res.loss * scale).backward()
-                tokens += blocks.pack.num_tokens
-                loss_sum += float(res.loss.detach()) / n_units
-                for k, v in res.metrics.items():
-                    agg[k] = agg.get(k, 0) + v.float() / n_units
-            _sync(ddev)
-            drafter_s += time.perf_counter() - t1
+            self._drafter_stage(index, staged, weights, acc)
+        return self._finish_step(acc)
 
+    def _drafter_stage(
+        self, index: int, staged: _Staged, weights: list[torch.Tensor | None], acc: _StepAccum
+    ) -> None:
+        """Drafter forward + backward of one micro-step's units, accumulated into `acc`."""
+        acc.target_s += staged.seconds
+        acc.truncated += staged.truncated
+        # Noise is drawn on the drafter side only, from its own per-step seed.
+        torch.manual_seed(self._stream_seed(index, 1))
+        t1 = time.perf_counter()
+        for (blocks, settings), w in zip(staged.units, weights):
+            res = drafter_loss(
+                self.model,
+                blocks,
+                self._embed_on_drafter,
+                self._lm_head_on_drafter(),
+                settings,
+                attn_fn=self._attention(),
+                use_flex=self.compile,
+                autocast_dtype=self.autocast,
+            )
+            if acc.total_w is not None and w is not None:
+                total = acc.total_w.clamp(min=1e-12)
+                scale = self.world.world_size * w.to(res.loss.device) / total
+            else:
+                local_w = res.metrics["weight_sum"].float()
+                global_w = D.all_reduce_sum(local_w, self.world)
+                acc.dpace_w = acc.dpace_w + global_w
+                scale = self.world.world_size * local_w / global_w.clamp(min=1e-12) / acc.n_units
+            (res.loss * scale).backward()
+            acc.tokens += blocks.pack.num_tokens
+            acc.loss_sum += float(res.loss.detach()) / acc.n_units
+            for k, v in res.metrics.items():
+                acc.agg[k] = acc.agg.get(k, 0) + v.float() / acc.n_units
+        _sync(self.world.drafter_device)
+        acc.drafter_s += time.perf_counter() - t1
+
+    def _finish_step(self, acc: _StepAccum) -> StepStats:
+        """Clip, then step the optimizer, or skip a non-finite or unsupervised step."""
+        t = self.cfg.training
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
         )
-        finite = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-            self.bad_steps = 0
-        else:
+        weight = acc.total_w if acc.total_w is not None else acc.dpace_w
+        # One host sync for both checks (the weight sum is already on the device).
+        finite_grad, supervised = torch.stack(
+            [torch.isfinite(grad_norm), torch.as_tensor(weight).to(grad_norm.device) > 0]
+        ).tolist()
+        finite = math.isfinite(acc.loss_sum) and bool(finite_grad)
+        empty = not supervised and finite
+        self.tokens_seen += acc.tokens
+        self.truncated_total += acc.truncated
+        if empty:
             self.optimizer.zero_grad(set_to_none=True)
-            self.bad_steps += 1
             self.skipped_total += 1
-        self.scheduler.step()
-        self.step += 1
-        self.tokens_seen += tokens
-        self.truncated_total += truncated
+        else:
+            if finite:
+                self.optimizer.step()
+                self.bad_steps = 0
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.bad_steps += 1
+                self.skipped_total += 1
+            self.scheduler.step()
+            self.step += 1
         return StepStats(
-            loss_sum, agg, float(grad_norm), not finite, target_s, drafter_s, tokens, truncated
+            acc.loss_sum,
+            acc.agg,
+            float(grad_norm),
+            not finite or empty,
+            acc.target_s,
+            acc.drafter_s,
+            acc.tokens,
+            acc.truncated,
+            empty=empty,
         )
 
     # ------------------------------------------------------------------- loop
@@ -459,9 +553,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         from tqdm import tqdm
 
-        t = self.cfg.training
         self._install_signal_handlers()
-        window: list[StepStats] = []
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -475,43 +567,10 @@ class Trainer:
             f"drafter {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.1f}M params, "
             f"compile={'on' if self.compile else 'off'}"
         )
-        last_ckpt = None
         try:
-            while self.step < self.total_steps:
-                st = self.train_step()
-                if self.cfg.distributed.placement == "pairs" and self.prefetch is None:
-                    # Warm-up done (compile, autotune) on this thread: now overlap.
-                    self.prefetch = TargetPrefetcher(self)
-                window.append(st)
-                bar.update(1)
-                if st.skipped:
-                    self._log(f"step {self.step}: non-finite loss or gradient, step skipped")
-                    if self.bad_steps >= t.max_bad_steps:
-                        where = self.checkpointer.latest() or "none yet"
-                        raise DFlashError(
-                            f"{self.bad_steps} consecutive non-finite steps (last at step "
-                            f"{self.step}); stopping. The last good checkpoint ({where}) is "
-                            "intact: lower training.lr, check the data, or resume from it"
-                        )
-                if self.step % t.log_every == 0 or self.step == self.total_steps:
-                    rec = self._log_window(window)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['exact_tau']:.2f}")
-                    window = []
-                if t.eval_every and self.step % t.eval_every == 0:
-                    self._in_training_eval()
-                if self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
-                    if self.bad_steps == 0:
-                        last_ckpt = self.save_checkpoint()
-                    else:
-                        # Never let an unstable state replace the last good checkpoint.
-                        self._log(f"step {self.step}: checkpoint skipped after non-finite steps")
-                if self._stop_signal is not None:
-                    last_ckpt = self.save_checkpoint()
-                    self._log(
-                        f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint "
-                        f"{last_ckpt}; continue with: dflash train --resume {self.run_dir}"
-                    )
-                    return {"step": self.step, "stopped": True, "checkpoint": last_ckpt}
+            stopped = self._loop(bar)
+            if stopped is not None:
+                return stopped
             last_ckpt = self.save_checkpoint()
             self._write_final_drafter()
             self._write_plots()
@@ -521,6 +580,70 @@ class Trainer:
             bar.close()
             self.metrics.close()
         return {"step": self.step, "stopped": False, "checkpoint": last_ckpt}
+
+    def _loop(self, bar: Any) -> dict[str, Any] | None:
+        """Steps until the end of the schedule (None) or a signal (the stop record)."""
+        t = self.cfg.training
+        window: list[StepStats] = []
+        empty_run = 0
+        while self.step < self.total_steps:
+            st = self.train_step()
+            if self.cfg.distributed.placement == "pairs" and self.prefetch is None:
+                # Warm-up done (compile, autotune) on this thread: now overlap.
+                self.prefetch = TargetPrefetcher(self)
+            if st.empty:
+                empty_run = self._empty_step(empty_run + 1)
+                continue
+            empty_run = 0
+            window.append(st)
+            bar.update(1)
+            if st.skipped:
+                self._bad_step()
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                rec = self._log_window(window)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['exact_tau']:.2f}")
+                window = []
+            if t.eval_every and self.step % t.eval_every == 0:
+                self._in_training_eval()
+            if self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
+                if self.bad_steps == 0:
+                    self.save_checkpoint()
+                else:
+                    # Never let an unstable state replace the last good checkpoint.
+                    self._log(f"step {self.step}: checkpoint skipped after non-finite steps")
+            if self._stop_signal is not None:
+                last_ckpt = self.save_checkpoint()
+                self._log(
+                    f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint "
+                    f"{last_ckpt}; continue with: dflash train --resume {self.run_dir}"
+                )
+                return {"step": self.step, "stopped": True, "checkpoint": last_ckpt}
+        return None
+
+    def _bad_step(self) -> None:
+        self._log(f"step {self.step}: non-finite loss or gradient, step skipped")
+        if self.bad_steps >= self.cfg.training.max_bad_steps:
+            where = self.checkpointer.latest() or "none yet"
+            raise DFlashError(
+                f"{self.bad_steps} consecutive non-finite steps (last at step "
+                f"{self.step}); stopping. The last good checkpoint ({where}) is "
+                "intact: lower training.lr, check the data, or resume from it"
+            )
+
+    def _empty_step(self, empty_run: int) -> int:
+        """Log an unsupervised step (skipped, data moved on); stop if they never end."""
+        self._log(
+            f"step {self.step + 1}: the sampled anchors have no supervised slot; skipped "
+            "(the schedule does not advance, the data does)"
+        )
+        limit = max(self.cfg.training.max_bad_steps, 2 * self.batcher.steps_per_epoch)
+        if empty_run >= limit:
+            raise DFlashError(
+                f"{empty_run} consecutive steps without a supervised token: the data's "
+                f"loss masks supervise nothing ({self.cfg.data.train}); check the chat "
+                "template and data.train"
+            )
+        return empty_run
 
     def _log_window(self, window: list[StepStats]) -> dict[str, Any]:
         ok = [s for s in window if not s.skipped] or window
@@ -569,103 +692,27 @@ class Trainer:
         return rec
 
     def _in_training_eval(self) -> dict[str, Any] | None:
-        """The real speculative loop on a few held-out prompts: measured tau, logged.
+        """Served tau measured every eval_every steps (eval/in_training.py), on rank 0.
 
-        Training accuracy can look fine while served acceptance is ~1; this measures
-        the served number every eval_every steps, on rank 0 (others wait in the next
-        collective).
+        The other ranks wait in the next collective.
         """
         if not self.world.is_main:
             return None
-        if self.cfg.distributed.data_parallel == "fsdp" and self.world.distributed:
-            self._log("in-training eval skipped: the drafter is FSDP-sharded")
-            return None
-        if self.target.sharded:
-            # Rank 0 alone cannot run a target whose layers need every rank's all-gather.
-            self._log("in-training eval skipped: the target is FSDP-sharded")
-            return None
-        from dflash_trainer.data.loading import load_tokenizer
-        from dflash_trainer.eval.evaluate import evaluate_prompts
-        from dflash_trainer.eval.prompts import load_prompt_set
-        from dflash_trainer.train.dataset import tokenizer_spec
-
-        ev = self.cfg.eval
-        if not hasattr(self, "_eval_prompts"):
-            self._tokenizer = load_tokenizer(tokenizer_spec(self.cfg.target))
-            ps = load_prompt_set(ev.prompts[0], max_samples=ev.train_eval_samples, seed=ev.seed)
-            self._eval_prompts = [p.messages for p in ps.prompts]
-        t0 = time.perf_counter()
-        out = evaluate_prompts(self.drafter, self.target, self._tokenizer, self._eval_prompts, ev)
-        rec: dict[str, Any] = {
-            "step": self.step,
-            "eval_set": ev.prompts[0],
-            "eval_tau": float(out["tau"]),
-            "eval_tau_pooled": float(out["tau_pooled"]),
-            "eval_time_s": time.perf_counter() - t0,
-        }
-        msg = f"step {self.step}: measured tau on {ev.prompts[0]} = {rec['eval_tau']:.2f}"
-        walk = self._heldout_walk()
-        if walk is not None:
-            rec.update(heldout_walk_tau=walk["tau"], heldout_walk_time_s=walk["seconds"])
-            msg += f", walked held-out tau = {walk['tau']:.2f} ({walk['documents']:.0f} documents)"
-        self.metrics.write(rec)
+        rec, msg = self.in_training_eval.run(
+            self.step, self.drafter, self.target, drafter_sharded=self._fsdp_drafter()
+        )
+        if rec is not None:
+            self.metrics.write(rec)
         self._log(msg)
-        self.drafter.train()
         return rec
-
-    def _heldout_walk(self) -> dict[str, float] | None:
-        """The held-out split walked as greedy serving walks it (walk_eval.py), or None.
-
-        The in-batch tau's served counterpart on the training distribution: uniform anchors
-        overstate what serving, which counts tokens per step, will see.
-        """
-        n = self.cfg.eval.train_walk_docs
-        held_out = self.data.eval
-        if not n or held_out is None:
-            return None
-        from dflash_trainer.eval.walk import walked_tau
-
-        t0 = time.perf_counter()
-        docs = [held_out[i] for i in range(min(n, len(held_out)))]
-        # Each answer is walked over its first eval.max_new_tokens tokens, the length the
-        # served eval measures (and a bound on the walk's cost for long documents).
-        out = walked_tau(self.drafter, self.target, docs, self.cfg.eval.max_new_tokens)
-        out["seconds"] = time.perf_counter() - t0
-        return out
 
     # ------------------------------------------------------------ checkpoints
 
-    def _meta(self) -> dict[str, Any]:
-        from dflash_trainer.config import config_to_dict
-
-        return {
-            "step": self.step,
-            "target": config_to_dict(self.cfg.target),
-            "training": config_to_dict(self.cfg.training),
-            "data": config_to_dict(self.cfg.data),
-            "run": str(self.run_dir),
-        }
-
-    def _sharded(self) -> bool:
+    def _fsdp_drafter(self) -> bool:
         return self.world.distributed and self.cfg.distributed.data_parallel == "fsdp"
 
-    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Unsharded model and optimizer state (a collective under FSDP: every rank calls)."""
-        if not self._sharded():
-            return self.drafter.state_dict(), self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd: Any = get_model_state_dict(self.model, options=opts)
-        optim_sd: Any = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        return model_sd, optim_sd
-
     def save_checkpoint(self) -> str | None:
-        state, optim_state = self._full_states()
+        state, optim_state = full_states(self)
         if not self.world.is_main:
             D.broadcast_object(None, self.world)
             return None
@@ -674,71 +721,17 @@ class Trainer:
                 f"step {self.step}: the drafter has non-finite weights; refusing to overwrite "
                 f"the last good checkpoint ({self.checkpointer.latest() or 'none'})"
             )
-        # Anchors and noise are re-seeded per step (_stream_seed); the generator
-        # states are kept for inspection only.
-        rng = {"torch_cpu": torch.get_rng_state(), "anchor_gen": self.anchor_gen.get_state()}
-        trainer_state = {
-            "step": self.step,
-            "position": {"epoch": self.position.epoch, "step": self.position.step},
-            "scheduler": self.scheduler.state_dict(),
-            "bad_steps": self.bad_steps,
-            "skipped_total": self.skipped_total,
-            "truncated_total": self.truncated_total,
-            "tokens_seen": self.tokens_seen,
-            "world_size": self.world.world_size,
-            "total_steps": self.total_steps,
-        }
-        loc = self.checkpointer.save(
-            self.step,
-            self.spec,
-            state,
-            self._meta(),
-            optim_state,
-            trainer_state,
-            rng,
-        )
+        loc = self.checkpointer.save(capture_state(self, state, optim_state))
         D.broadcast_object(loc, self.world)
         return loc
 
-    def _resume(self) -> None:
-        data = self.checkpointer.load()
-        ts = data.trainer_state
-        if ts.get("world_size", 1) != self.world.world_size:
-            raise DFlashError(
-                f"{data.location} was written by a run with {ts['world_size']} ranks; this run "
-                f"has {self.world.world_size}. Resume with the same number of ranks (the data "
-                "order and anchor streams are per rank)"
-            )
-        if self._sharded():
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True)
-            full: Any = data.drafter_state
-            set_model_state_dict(self.model, full, options=opts)
-            set_optimizer_state_dict(self.model, self.optimizer, data.optimizer_state, options=opts)
-        else:
-            self.drafter.load_state_dict(data.drafter_state)
-            self.optimizer.load_state_dict(data.optimizer_state)
-        self.scheduler.load_state_dict(ts["scheduler"])
-        self.step = ts["step"]
-        self.position = Position(**ts["position"])
-        self.bad_steps = ts["bad_steps"]
-        self.skipped_total = ts["skipped_total"]
-        self.truncated_total = ts["truncated_total"]
-        self.tokens_seen = ts["tokens_seen"]
-        self._log(f"resumed from {data.location} at step {self.step}")
-
     def _write_final_drafter(self) -> None:
-        state, _ = self._full_states()
+        state, _ = full_states(self)
         if not self.world.is_main:
             return
         from dflash_trainer.formats.drafter_io import save_drafter_files
 
-        save_drafter_files(self.run_dir / "drafter", self.spec, state, self._meta())
+        save_drafter_files(self.run_dir / "drafter", self.spec, state, run_meta(self))
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
     def _write_plots(self) -> None:
