@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -92,6 +93,11 @@ def test_resume_refuses_another_world_size(tmp_path):
     st = json.loads(ck.read_text())
     st["world_size"] = 2
     ck.write_text(json.dumps(st))
+    # As a 2-rank run would have written it: its checksum matches.
+    sums_file = ck.parent / "checksums.json"
+    sums = json.loads(sums_file.read_text())
+    sums["sha256"][ck.name] = hashlib.sha256(ck.read_bytes()).hexdigest()
+    sums_file.write_text(json.dumps(sums))
     with pytest.raises(DFlashError, match="written by a run with 2 ranks; this run has 1"):
         Trainer(cfg, resume=True, log_to_console=False)
 
