@@ -377,6 +377,12 @@ def _margin(logits_V: torch.Tensor) -> torch.Tensor:
     return top2[0] - top2[1]
 
 
+def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], int | None]:
+    """Tokens up to and including the first stop id, and its index (None: no stop)."""
+    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return (tokens[: cut + 1] if cut is not None else tokens), cut
+
+
 @dataclass
 class _Decode:
     """The state of one decode loop between steps."""
@@ -499,10 +505,7 @@ def generate(
     sync()
     t2 = time.perf_counter()
 
-    tokens = generated[:max_new_tokens]
-    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-    if cut is not None:
-        tokens = tokens[: cut + 1]
+    tokens, cut = _cut_at_stop(generated[:max_new_tokens], stops)
     return Generation(
         prompt_len=p,
         tokens=tokens,

@@ -53,6 +53,7 @@ from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import save_drafter_files
 from dflash_trainer.train.batching import Position
 from dflash_trainer.train.distributed import World
+from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
 
 
 class Trainer(Protocol):
@@ -93,33 +94,6 @@ LATEST = "LATEST"
 COMPLETE = "COMPLETE"
 CHECKSUMS = "checksums.json"
 _STEP_NAME = re.compile(r"^step_[0-9]{8,}$")
-
-
-def _flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    # Keys are parameter indices (plain optimizers) or names with dots (FSDP full state
-    # dicts): "/" separates them from the state field, and the key kind is recorded.
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    int_keys = all(isinstance(k, int) for k in sd["state"])
-    for idx, st in sd["state"].items():
-        for key, val in st.items():
-            if torch.is_tensor(val):
-                tensors[f"state/{idx}/{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(idx), {})[key] = val
-    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "int_keys": int_keys}
-    return tensors, meta
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    as_key: Any = int if meta.get("int_keys", True) else str
-    state: dict[Any, dict[str, Any]] = {}
-    for name, t in tensors.items():
-        head, key = name.rsplit("/", 1)
-        state.setdefault(as_key(head.split("/", 1)[1]), {})[key] = t
-    for idx, vals in meta.get("scalars", {}).items():
-        state.setdefault(as_key(idx), {}).update(vals)
-    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 @dataclass
@@ -185,7 +159,7 @@ def _read_files(d: Path, name: str, location: str) -> CheckpointData:
     from dflash_trainer.formats.drafter_io import WEIGHTS_FILE
 
     drafter_state = load_file(str(d / WEIGHTS_FILE))
-    opt = _unflatten_optimizer(
+    opt = unflatten_optimizer(
         load_file(str(d / "optimizer.safetensors")),
         json.loads((d / "optimizer.json").read_text()),
     )
@@ -244,7 +218,7 @@ class Checkpointer:
         pause = float(os.environ.get("DFLASH_CHECKPOINT_PAUSE_S", "0") or 0)
         if pause:
             time.sleep(pause)
-        opt_tensors, opt_meta = _flatten_optimizer(state.optimizer_state)
+        opt_tensors, opt_meta = flatten_optimizer(state.optimizer_state)
         save_file(opt_tensors, str(d / "optimizer.safetensors"))
         (d / "optimizer.json").write_text(json.dumps(opt_meta))
         save_file(
