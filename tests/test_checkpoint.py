@@ -16,7 +16,7 @@ from conftest import make_spec
 from trainer_utils import tiny_config
 
 from dflash_trainer.core.drafter import DFlashDrafter
-from dflash_trainer.train.checkpoint import Checkpointer
+from dflash_trainer.train.checkpoint import Checkpointer, CheckpointState
 from dflash_trainer.train.run_dir import read_metrics
 from dflash_trainer.train.trainer import Trainer
 
@@ -27,13 +27,15 @@ def _save(ck: Checkpointer, step: int, model: torch.nn.Module) -> str:
         p.grad = torch.ones_like(p)
     opt.step()
     return ck.save(
-        step,
-        model.spec,
-        model.state_dict(),
-        {"step": step},
-        opt.state_dict(),
-        {"step": step, "position": {"epoch": 0, "step": step}},
-        {"x": torch.arange(3)},
+        CheckpointState(
+            step,
+            model.spec,
+            model.state_dict(),
+            {"step": step},
+            opt.state_dict(),
+            {"step": step, "position": {"epoch": 0, "step": step}},
+            {"x": torch.arange(3)},
+        )
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -92,6 +93,11 @@ def test_resume_refuses_another_world_size(tmp_path):
     st = json.loads(ck.read_text())
     st["world_size"] = 2
     ck.write_text(json.dumps(st))
+    # As a 2-rank run would have written it: its checksum matches.
+    sums_file = ck.parent / "checksums.json"
+    sums = json.loads(sums_file.read_text())
+    sums["sha256"][ck.name] = hashlib.sha256(ck.read_bytes()).hexdigest()
+    sums_file.write_text(json.dumps(sums))
     with pytest.raises(DFlashError, match="written by a run with 2 ranks; this run has 1"):
         Trainer(cfg, resume=True, log_to_console=False)
 
@@ -215,9 +221,10 @@ def test_in_training_eval_walks_the_held_out_split(tmp_path):
     )
     trainer = Trainer(cfg, log_to_console=False)
     trainer.train()
-    assert trainer._heldout_walk() is None  # the tiny dataset has no eval split
-    trainer.data.eval = trainer.data.train  # a split of real prepared documents
-    walk = trainer._heldout_walk()
+    ev = trainer.in_training_eval
+    assert ev.heldout_walk(trainer.drafter, trainer.target) is None  # no eval split here
+    ev.held_out = trainer.data.train  # a split of real prepared documents
+    walk = ev.heldout_walk(trainer.drafter, trainer.target)
     assert walk is not None and walk["documents"] == 6 and walk["steps"] > 0
     assert 1.0 <= walk["tau"] <= cfg.drafter.block_size
     assert trainer.drafter.training  # the walk restores the training mode

@@ -157,6 +157,18 @@ def decay_weights(
     return w
 
 
+def decay_slot_weights(
+    valid_NB: torch.Tensor, gamma: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[N, B] decay weight of each valid slot, 0 elsewhere: the weights `dflash_loss` uses.
+
+    The trainer sums these before the drafter runs to normalise a step over ranks and
+    micro-steps, so both must come from this one function.
+    """
+    b = valid_NB.shape[1]
+    return decay_weights(b, gamma, valid_NB.device).to(dtype)[None, :] * valid_NB
+
+
 def dpace_weights(ce_NB: torch.Tensor, valid_NB: torch.Tensor, alpha: float) -> torch.Tensor:
     """[N, B] D-PACE: w_k = sum_{j >= k} prod_{i <= j} s_i over valid slots, no grad.
 
@@ -249,7 +261,7 @@ def dflash_loss(
     if weighting == "dpace":
         w = dpace_weights(loss_NB.detach(), valid_NB, dpace_alpha)
     elif weighting == "decay":
-        w = decay_weights(b, gamma, dev).to(loss_NB.dtype)[None, :] * valid_NB
+        w = decay_slot_weights(valid_NB, gamma, loss_NB.dtype)
     else:
         raise ValueError(f"unknown weighting {weighting!r}; use decay or dpace")
     denom = w.sum()

@@ -166,73 +166,107 @@ def evaluate_prompts(
 
     block, module = _block_drafter(drafter, target, block_size)
     engines = DecodeEngines(target, decode, module, block.block_size, block.needs_features)
-
-    def loops(ids: list[int], speculative: bool) -> dict[str, Any]:
-        """generate()'s drafter and runner for this prompt (both loops share the runner)."""
-        engines.ensure(len(ids) + eval_cfg.max_new_tokens + 2 * block.block_size)
-        d = (engines.drafter or block) if speculative else None
-        return {"drafter": d, "runner": engines.runner}
-
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
-    greedy = eval_cfg.temperature == 0
-    kw: dict[str, Any] = {
-        "max_new_tokens": eval_cfg.max_new_tokens,
-        "temperature": eval_cfg.temperature,
-        "top_p": eval_cfg.top_p,
-        "stop_ids": stops,
-    }
-    spec_gens: list[Generation] = []
-    base_gens: list[Generation] = []
-    responses: list[dict[str, Any]] = []
+    run = _PromptRun(target, tokenizer, eval_cfg, engines, block, baseline, stops)
     with _eval_mode(module):
         if warmup and prompts:
-            first = prompts[0]
-            upto = next((j for j, m in enumerate(first) if m["role"] == "user"), len(first))
-            ids = render_prompt(tokenizer, first[: upto + 1], eval_cfg.enable_thinking)
-            short = {**kw, "max_new_tokens": min(16, eval_cfg.max_new_tokens)}
-            for spec in (True, False) if baseline else (True,):
-                generate(
-                    target, ids, generator=_generator(target.device, 0), **short, **loops(ids, spec)
-                )
+            run.warm_up(prompts[0])
         bar = tqdm(
             prompts, desc=progress, disable=progress is None, unit="prompt", dynamic_ncols=True
         )
         for i, conversation in enumerate(bar):
-            history: Messages = []
-            for j, msg in enumerate(conversation):
-                history.append(dict(msg))
-                answered = j + 1 < len(conversation) and conversation[j + 1]["role"] == "assistant"
-                if msg["role"] != "user" or answered:
-                    continue
-                ids = render_prompt(tokenizer, history, eval_cfg.enable_thinking)
-                # One seed per response: the same turn samples alike in both runs.
-                gen = _generator(target.device, eval_cfg.seed + len(responses))
-                g = generate(target, ids, generator=gen, **kw, **loops(ids, True))
-                spec_gens.append(g)
-                rec = _record(g, prompt_ids[i] if prompt_ids is not None else str(i), history)
-                if baseline:
-                    gen = _generator(target.device, eval_cfg.seed + len(responses))
-                    b = generate(
-                        target, ids, generator=gen, record_margins=greedy, **kw, **loops(ids, False)
-                    )
-                    base_gens.append(b)
-                    rec["baseline"] = {
-                        "new_tokens": len(b.tokens),
-                        "prefill_s": b.prefill_s,
-                        "decode_s": b.decode_s,
-                    }
-                    if greedy:
-                        rec["lossless"] = lossless_check(g, b)
-                rec["text"] = tokenizer.decode(g.tokens, skip_special_tokens=True)
-                responses.append(rec)
-                history.append({"role": "assistant", "content": rec["text"]})
-            steps = [a for g in spec_gens for a in g.accepted]
+            run.conversation(conversation, prompt_ids[i] if prompt_ids is not None else str(i))
+            steps = [a for g in run.spec_gens for a in g.accepted]
             if steps:
                 bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
     return {
         "decode": engines.mode,
-        **summarize(responses, spec_gens, base_gens, block.block_size, greedy),
+        **summarize(run.responses, run.spec_gens, run.base_gens, block.block_size, run.greedy),
     }
+
+
+class _PromptRun:
+    """One evaluation's loops and results: each user turn decoded speculatively (and
+    target-only with `baseline`), answers fed back as the assistant turn."""
+
+    def __init__(
+        self,
+        target: FrozenTarget,
+        tokenizer: Any,
+        eval_cfg: EvalConfig,
+        engines: DecodeEngines,
+        block: BlockDrafter,
+        baseline: bool,
+        stops: list[int],
+    ) -> None:
+        self.target, self.tokenizer, self.eval_cfg = target, tokenizer, eval_cfg
+        self.engines, self.block, self.baseline = engines, block, baseline
+        self.greedy = eval_cfg.temperature == 0
+        self.kw: dict[str, Any] = {
+            "max_new_tokens": eval_cfg.max_new_tokens,
+            "temperature": eval_cfg.temperature,
+            "top_p": eval_cfg.top_p,
+            "stop_ids": stops,
+        }
+        self.spec_gens: list[Generation] = []
+        self.base_gens: list[Generation] = []
+        self.responses: list[dict[str, Any]] = []
+
+    def loops(self, ids: list[int], speculative: bool) -> dict[str, Any]:
+        """generate()'s drafter and runner for this prompt (both loops share the runner)."""
+        self.engines.ensure(len(ids) + self.eval_cfg.max_new_tokens + 2 * self.block.block_size)
+        d = (self.engines.drafter or self.block) if speculative else None
+        return {"drafter": d, "runner": self.engines.runner}
+
+    def warm_up(self, first: Messages) -> None:
+        """Decode the first prompt briefly with both loops, untimed (one-off costs)."""
+        upto = next((j for j, m in enumerate(first) if m["role"] == "user"), len(first))
+        ids = render_prompt(self.tokenizer, first[: upto + 1], self.eval_cfg.enable_thinking)
+        short = {**self.kw, "max_new_tokens": min(16, self.eval_cfg.max_new_tokens)}
+        for spec in (True, False) if self.baseline else (True,):
+            gen = _generator(self.target.device, 0)
+            generate(self.target, ids, generator=gen, **short, **self.loops(ids, spec))
+
+    def conversation(self, conversation: Messages, prompt_id: str) -> None:
+        history: Messages = []
+        for j, msg in enumerate(conversation):
+            history.append(dict(msg))
+            answered = j + 1 < len(conversation) and conversation[j + 1]["role"] == "assistant"
+            if msg["role"] != "user" or answered:
+                continue
+            rec = self.answer(history, prompt_id)
+            history.append({"role": "assistant", "content": rec["text"]})
+
+    def answer(self, history: Messages, prompt_id: str) -> dict[str, Any]:
+        """Decode one turn (and its baseline); its record is appended to `responses`."""
+        ids = render_prompt(self.tokenizer, history, self.eval_cfg.enable_thinking)
+        # One seed per response: the same turn samples alike in both runs.
+        seed = self.eval_cfg.seed + len(self.responses)
+        gen = _generator(self.target.device, seed)
+        g = generate(self.target, ids, generator=gen, **self.kw, **self.loops(ids, True))
+        self.spec_gens.append(g)
+        rec = _record(g, prompt_id, history)
+        if self.baseline:
+            gen = _generator(self.target.device, seed)
+            b = generate(
+                self.target,
+                ids,
+                generator=gen,
+                record_margins=self.greedy,
+                **self.kw,
+                **self.loops(ids, False),
+            )
+            self.base_gens.append(b)
+            rec["baseline"] = {
+                "new_tokens": len(b.tokens),
+                "prefill_s": b.prefill_s,
+                "decode_s": b.decode_s,
+            }
+            if self.greedy:
+                rec["lossless"] = lossless_check(g, b)
+        rec["text"] = self.tokenizer.decode(g.tokens, skip_special_tokens=True)
+        self.responses.append(rec)
+        return rec
 
 
 def _record(g: Generation, prompt_id: str, history: Messages) -> dict[str, Any]:

@@ -377,6 +377,69 @@ def _margin(logits_V: torch.Tensor) -> torch.Tensor:
     return top2[0] - top2[1]
 
 
+def _cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], int | None]:
+    """Tokens up to and including the first stop id, and its index (None: no stop)."""
+    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+    return (tokens[: cut + 1] if cut is not None else tokens), cut
+
+
+@dataclass
+class _Decode:
+    """The state of one decode loop between steps."""
+
+    seq: torch.Tensor
+    """Committed tokens in seq[:n], room for a block beyond."""
+    n: int
+    generated: list[int]
+    margins: list[torch.Tensor] | None
+    """Top-2 logit margins of committed tokens, when recorded."""
+    accepted: list[int] = field(default_factory=list)
+    new_feats: torch.Tensor | None = None
+    """Target features of the tokens committed by the last step (the drafter's input)."""
+
+
+def _draft_and_verify(
+    st: _Decode,
+    drafter: BlockDrafter | None,
+    runner: TargetRunner,
+    block: int,
+    taps: bool,
+    sample: Callable[[torch.Tensor], torch.Tensor],
+) -> list[int]:
+    """One step: draft a block, verify it in one target forward, commit the accepted
+    prefix plus the target's own next token. Returns the committed tokens."""
+    seq, n = st.seq, st.n
+    if drafter is not None:
+        drafts = drafter(seq[:n], st.new_feats).to(seq.device).view(-1)
+        assert drafts.numel() == block - 1, "a drafter must return block_size - 1 ids"
+        block_ids = torch.cat([seq[n - 1 : n], drafts])
+    else:
+        block_ids = seq[n - 1 : n]
+    snapshot = runner.snapshot(block)
+    logits, feats = runner.forward(block_ids, taps=taps)
+    posterior = sample(logits)
+    if st.margins is not None:
+        st.margins.extend(_margin(row) for row in logits)
+    host = torch.cat([block_ids[1:], posterior]).tolist()  # the step's one host sync
+    drafted, post = host[: block - 1], host[block - 1 :]
+    acc = 0
+    while acc < block - 1 and drafted[acc] == post[acc]:
+        acc += 1
+    seq[n : n + acc] = block_ids[1 : acc + 1]
+    seq[n + acc] = posterior[acc]
+    st.n = n + acc + 1
+    st.accepted.append(acc)
+    new = post[: acc + 1]
+    st.generated.extend(new)
+    if st.margins is not None:
+        # Keep the margins of committed slots only (the rest saw rejected drafts).
+        del st.margins[len(st.margins) - block + acc + 1 :]
+    if feats is not None:
+        st.new_feats = feats[: acc + 1]
+    runner.rewind(block_ids, acc + 1, snapshot)
+    return new
+
+
 @torch.no_grad()
 def generate(
     target: FrozenTarget,
@@ -416,7 +479,11 @@ def generate(
     t0 = time.perf_counter()
     logits, feats = runner.forward(prompt, taps=taps, last_logits_only=True)
     runner.after_prefill()
-    anchor = sample_tokens(logits[-1:], temperature, top_p, generator)
+
+    def sample(logits_SV: torch.Tensor) -> torch.Tensor:
+        return sample_tokens(logits_SV, temperature, top_p, generator)
+
+    anchor = sample(logits[-1:])
     if record_margins:
         margins.append(_margin(logits[-1]))
     if drafter is not None:
@@ -429,51 +496,20 @@ def generate(
     t1 = time.perf_counter()
     runner.forwards = 0
 
-    n = p + 1  # committed tokens; the anchor seq[n-1] is not in the target cache yet
-    accepted_steps: list[int] = []
-    new_feats: torch.Tensor | None = None
+    # n: committed tokens; the anchor seq[n-1] is not in the target cache yet
+    st = _Decode(seq, p + 1, generated, margins if record_margins else None)
     stopped = generated[0] in stops
     while len(generated) < max_new_tokens and not stopped:
-        if drafter is not None:
-            drafts = drafter(seq[:n], new_feats).to(dev).view(-1)
-            assert drafts.numel() == block - 1, "a drafter must return block_size - 1 ids"
-            block_ids = torch.cat([seq[n - 1 : n], drafts])
-        else:
-            block_ids = seq[n - 1 : n]
-        snapshot = runner.snapshot(block)
-        logits, feats = runner.forward(block_ids, taps=taps)
-        posterior = sample_tokens(logits, temperature, top_p, generator)
-        if record_margins:
-            margins.extend(_margin(row) for row in logits)
-        host = torch.cat([block_ids[1:], posterior]).tolist()
-        drafted, post = host[: block - 1], host[block - 1 :]
-        acc = 0
-        while acc < block - 1 and drafted[acc] == post[acc]:
-            acc += 1
-        seq[n : n + acc] = block_ids[1 : acc + 1]
-        seq[n + acc] = posterior[acc]
-        n += acc + 1
-        accepted_steps.append(acc)
-        new = post[: acc + 1]
-        generated.extend(new)
-        if record_margins:
-            # Keep the margins of committed slots only (the rest saw rejected drafts).
-            del margins[len(margins) - block + acc + 1 :]
-        if feats is not None:
-            new_feats = feats[: acc + 1]
-        runner.rewind(block_ids, acc + 1, snapshot)
+        new = _draft_and_verify(st, drafter, runner, block, taps, sample)
         stopped = bool(stops.intersection(new))
     sync()
     t2 = time.perf_counter()
 
-    tokens = generated[:max_new_tokens]
-    cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-    if cut is not None:
-        tokens = tokens[: cut + 1]
+    tokens, cut = _cut_at_stop(generated[:max_new_tokens], stops)
     return Generation(
         prompt_len=p,
         tokens=tokens,
-        accepted=accepted_steps,
+        accepted=st.accepted,
         block_size=block,
         prefill_s=t1 - t0,
         decode_s=t2 - t1,

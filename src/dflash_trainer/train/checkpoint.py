@@ -1,68 +1,112 @@
-"""Atomic checkpoints, exact resume, local disk or any fsspec URL (s3://...).
+"""Atomic checkpoints, checked on resume, local disk or any fsspec URL (s3://...).
 
 A checkpoint is a directory `step_XXXXXXXX/` holding the drafter files (drafter_io),
 `optimizer.safetensors` + `optimizer.json` (tensors and the rest of AdamW's state),
 `trainer_state.safetensors` (RNG states) + `trainer_state.json` (step, data position,
-scheduler, counters), and a `COMPLETE` marker written last. `LATEST` names the
-newest complete checkpoint and is replaced last, in one write:
+scheduler, counters), `checksums.json` (sha256 of every other file, written after
+them) and a `COMPLETE` marker written last. `LATEST` names the newest complete
+checkpoint and is replaced last, in one write:
 
 - local disk: the directory is assembled under a temporary name and renamed into
   place, and LATEST is replaced with os.replace, so a crash (even kill -9) at any
   moment leaves the previous checkpoint as LATEST, whole;
-- object stores have no rename: files are uploaded, then COMPLETE, then LATEST (a
-  single PUT is atomic), and a checkpoint without COMPLETE is never loaded.
+- object stores have no rename: files are uploaded, then the checksums, then
+  COMPLETE, then LATEST (a single PUT is atomic), and a checkpoint without COMPLETE
+  is never loaded.
+
+A resume checks the checksums: a damaged file (a disk that filled up, a bad copy)
+makes it fall back to the newest intact checkpoint, saying so, and it refuses only
+when none is intact. Checkpoints written before checksums existed are still loaded;
+for them, a file that does not parse counts as damaged. LATEST is only followed to a
+`step_*` name inside the checkpoint directory.
+
+What goes into a checkpoint and back out of it (weights, optimizer, scheduler, RNG,
+data position, counters) is `capture_state` / `restore_state` at the end.
 
 Nothing is pickled: tensors go to safetensors, everything else to JSON.
 """
 
 from __future__ import annotations
 
+import builtins
+import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.config import Config
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import save_drafter_files
+from dflash_trainer.train.batching import Position
+from dflash_trainer.train.distributed import World
+from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
+
+
+class Trainer(Protocol):
+    """What capture_state / restore_state touch of the trainer (a protocol: trainer.py
+    imports this module, not the other way round). Read-only parts are properties."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def world(self) -> World: ...
+    @property
+    def spec(self) -> DrafterSpec: ...
+    @property
+    def run_dir(self) -> Path: ...
+    @property
+    def drafter(self) -> torch.nn.Module: ...
+    @property
+    def model(self) -> torch.nn.Module: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+    @property
+    def anchor_gen(self) -> torch.Generator: ...
+    @property
+    def total_steps(self) -> int: ...
+
+    step: int
+    micro_steps: int
+    position: Position
+    bad_steps: int
+    skipped_total: int
+    truncated_total: int
+    tokens_seen: int
+
 
 LATEST = "LATEST"
 COMPLETE = "COMPLETE"
+CHECKSUMS = "checksums.json"
+_STEP_NAME = re.compile(r"^step_[0-9]{8,}$")
 
 
-def _flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    # Keys are parameter indices (plain optimizers) or names with dots (FSDP full state
-    # dicts): "/" separates them from the state field, and the key kind is recorded.
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    int_keys = all(isinstance(k, int) for k in sd["state"])
-    for idx, st in sd["state"].items():
-        for key, val in st.items():
-            if torch.is_tensor(val):
-                tensors[f"state/{idx}/{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(idx), {})[key] = val
-    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "int_keys": int_keys}
-    return tensors, meta
+@dataclass
+class CheckpointState:
+    """Everything one checkpoint holds, as the trainer hands it over."""
 
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    as_key: Any = int if meta.get("int_keys", True) else str
-    state: dict[Any, dict[str, Any]] = {}
-    for name, t in tensors.items():
-        head, key = name.rsplit("/", 1)
-        state.setdefault(as_key(head.split("/", 1)[1]), {})[key] = t
-    for idx, vals in meta.get("scalars", {}).items():
-        state.setdefault(as_key(idx), {}).update(vals)
-    return {"state": state, "param_groups": meta["param_groups"]}
+    step: int
+    spec: DrafterSpec
+    drafter_state: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    trainer_state: dict[str, Any]
+    rng_tensors: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -73,14 +117,68 @@ class CheckpointData:
     optimizer_state: dict[str, Any]
     trainer_state: dict[str, Any]
     rng_tensors: dict[str, torch.Tensor]
+    passed_over: list[str] = field(default_factory=list)
+    """Newer checkpoints skipped as damaged, with the reason (empty: the latest loaded)."""
+
+
+def _warn(msg: str) -> None:
+    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _damaged_files(d: Path) -> list[str]:
+    """Files of checkpoint directory `d` whose sha256 differs from checksums.json.
+
+    [] when all match, or when the checkpoint predates checksums (no checksums.json).
+    """
+    manifest = d / CHECKSUMS
+    if not manifest.is_file():
+        return []
+    try:
+        sums = json.loads(manifest.read_text())["sha256"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return [f"{CHECKSUMS} (unreadable)"]
+    bad = []
+    for fname, want in sorted(sums.items()):
+        f = d / fname
+        if not f.is_file():
+            bad.append(f"{fname} (missing)")
+        elif _sha256(f) != want:
+            bad.append(f"{fname} (checksum mismatch, {f.stat().st_size} bytes)")
+    return bad
+
+
+def _read_files(d: Path, name: str, location: str) -> CheckpointData:
+    from dflash_trainer.formats.drafter_io import WEIGHTS_FILE
+
+    drafter_state = load_file(str(d / WEIGHTS_FILE))
+    opt = unflatten_optimizer(
+        load_file(str(d / "optimizer.safetensors")),
+        json.loads((d / "optimizer.json").read_text()),
+    )
+    trainer_state = json.loads((d / "trainer_state.json").read_text())
+    rng = load_file(str(d / "trainer_state.safetensors"))
+    return CheckpointData(name, location, drafter_state, opt, trainer_state, rng)
 
 
 class Checkpointer:
     def __init__(
-        self, root: str, keep_last: int = 3, storage_options: dict[str, Any] | None = None
+        self,
+        root: str,
+        keep_last: int = 3,
+        storage_options: dict[str, Any] | None = None,
+        log: Callable[[str], None] = _warn,
     ):
         self.root = root.rstrip("/")
         self.keep_last = keep_last
+        self.log = log
         self.fs, self.path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.fs.makedirs(self.path, exist_ok=True)
@@ -90,24 +188,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def save(
-        self,
-        step: int,
-        spec: DrafterSpec,
-        drafter_state: dict[str, torch.Tensor],
-        meta: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        trainer_state: dict[str, Any],
-        rng_tensors: dict[str, torch.Tensor],
-    ) -> str:
-        name = f"step_{step:08d}"
+    def save(self, state: CheckpointState) -> str:
+        name = f"step_{state.step:08d}"
         with tempfile.TemporaryDirectory(
             dir=self.path if self.local else None, prefix=".tmp-"
         ) as tmp:
             stage = Path(tmp) / name
-            self._write_files(
-                stage, spec, drafter_state, meta, optimizer_state, trainer_state, rng_tensors
-            )
+            self._write_files(stage, state)
             if self.local:
                 final = Path(self.path) / name
                 if final.exists():
@@ -117,36 +204,32 @@ class Checkpointer:
             else:
                 remote = f"{self.path}/{name}"
                 for f in sorted(stage.iterdir()):
-                    if f.name != COMPLETE:
+                    if f.name not in (COMPLETE, CHECKSUMS):
                         self.fs.put_file(str(f), f"{remote}/{f.name}")
+                self.fs.put_file(str(stage / CHECKSUMS), f"{remote}/{CHECKSUMS}")
                 self.fs.put_file(str(stage / COMPLETE), f"{remote}/{COMPLETE}")
         self._write_latest(name)
         self._prune()
         return f"{self.root}/{name}"
 
-    def _write_files(
-        self,
-        d: Path,
-        spec: DrafterSpec,
-        drafter_state: dict[str, torch.Tensor],
-        meta: dict[str, Any],
-        optimizer_state: dict[str, Any],
-        trainer_state: dict[str, Any],
-        rng_tensors: dict[str, torch.Tensor],
-    ) -> None:
-        save_drafter_files(d, spec, drafter_state, meta)
+    def _write_files(self, d: Path, state: CheckpointState) -> None:
+        save_drafter_files(d, state.spec, state.drafter_state, state.meta)
         # Fault injection for the kill -9 test: a pause in the middle of a save.
         pause = float(os.environ.get("DFLASH_CHECKPOINT_PAUSE_S", "0") or 0)
         if pause:
             time.sleep(pause)
-        opt_tensors, opt_meta = _flatten_optimizer(optimizer_state)
+        opt_tensors, opt_meta = flatten_optimizer(state.optimizer_state)
         save_file(opt_tensors, str(d / "optimizer.safetensors"))
         (d / "optimizer.json").write_text(json.dumps(opt_meta))
         save_file(
-            {k: v.cpu().contiguous() for k, v in rng_tensors.items()},
+            {k: v.cpu().contiguous() for k, v in state.rng_tensors.items()},
             str(d / "trainer_state.safetensors"),
         )
-        (d / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (d / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
+        # Checksums of the files as written, then the marker: a checkpoint with
+        # COMPLETE always has its checksums.
+        sums = {f.name: _sha256(f) for f in sorted(d.iterdir())}
+        (d / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
         for f in d.iterdir():
             _fsync_file(f)
         (d / COMPLETE).write_text("ok\n")
@@ -170,7 +253,7 @@ class Checkpointer:
             entries = self.fs.ls(self.path, detail=False)
         except FileNotFoundError:
             return []
-        names = sorted(Path(str(e)).name for e in entries if Path(str(e)).name.startswith("step_"))
+        names = sorted(Path(str(e)).name for e in entries if _STEP_NAME.match(Path(str(e)).name))
         return [n for n in names if self.fs.exists(f"{self.path}/{n}/{COMPLETE}")]
 
     def _prune(self) -> None:
@@ -183,21 +266,74 @@ class Checkpointer:
     # ----------------------------------------------------------------- loading
 
     def latest(self) -> str | None:
+        """The checkpoint LATEST names, or None (no LATEST, or a name outside this directory).
+
+        LATEST is data on disk: only a plain `step_XXXXXXXX` name is followed, never a
+        path (`../x`, `/abs`) that would load weights from outside the run.
+        """
         self.fs.invalidate_cache()
         p = f"{self.path}/{LATEST}"
         if not self.fs.exists(p):
             return None
         with self.fs.open(p, "r") as f:
             name = str(f.read()).strip()
-        return name or None
+        if not name:
+            return None
+        if not _STEP_NAME.match(name):
+            self.log(
+                f"{self.root}/{LATEST} names {name!r}, not a step_XXXXXXXX checkpoint of this "
+                "directory; ignoring it and using the newest complete step_* directory"
+            )
+            return None
+        return name
 
     def load(self, name: str | None = None) -> CheckpointData:
-        name = name or self.latest()
-        if name is None:
-            raise DFlashError(f"{self.root}: no checkpoint to resume from (no {LATEST} file)")
+        """Checkpoint `name`, or the newest intact one (LATEST first, then older ones)."""
+        if name is not None:
+            if not _STEP_NAME.match(name):
+                raise DFlashError(f"{self.root}: {name!r} is not a checkpoint name (step_XXXXXXXX)")
+            data, damage = self._try_load(name)
+            if data is None:
+                raise DFlashError(f"{self.root}/{name}: damaged checkpoint: {damage}")
+            return data
+        candidates = self._candidates()
+        if not candidates:
+            raise DFlashError(
+                f"{self.root}: no complete checkpoint to resume from (no {LATEST} file and no "
+                f"step_* directory with a {COMPLETE} marker)"
+            )
+        passed_over: builtins.list[str] = []
+        for cand in candidates:
+            data, damage = self._try_load(cand)
+            if data is not None:
+                if passed_over:
+                    self.log(f"resuming from {data.location}, the newest intact checkpoint")
+                data.passed_over = passed_over
+                return data
+            passed_over.append(f"{cand}: {damage}")
+            self.log(f"checkpoint {self.root}/{cand} is damaged: {damage}; trying an older one")
+        raise DFlashError(
+            f"{self.root}: no intact checkpoint to resume from; damaged: "
+            + "; ".join(passed_over)
+            + ". Restore the files from a copy, or start over with a new run.output_dir"
+        )
+
+    def _candidates(self) -> builtins.list[str]:
+        """Complete checkpoints to try, best first: LATEST's, then the rest newest first."""
+        complete = self.list()
+        latest = self.latest()
+        rest = [n for n in reversed(complete) if n != latest]
+        if latest is not None and latest in complete:
+            return [latest, *rest]
+        if latest is not None:
+            self.log(f"{self.root}/{LATEST} names {latest}, which is not a complete checkpoint")
+        return rest
+
+    def _try_load(self, name: str) -> tuple[CheckpointData | None, str]:
+        """(data, "") for an intact checkpoint, else (None, which files are damaged)."""
         remote = f"{self.path}/{name}"
         if not self.fs.exists(f"{remote}/{COMPLETE}"):
-            raise DFlashError(f"{self.root}/{name}: incomplete checkpoint (no {COMPLETE} marker)")
+            return None, f"incomplete (no {COMPLETE} marker)"
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(tmp)
             if self.local:
@@ -205,16 +341,128 @@ class Checkpointer:
             else:
                 for f in self.fs.ls(remote, detail=False):
                     self.fs.get_file(f, str(local / Path(str(f)).name))
-            from dflash_trainer.formats.drafter_io import WEIGHTS_FILE
+            bad = _damaged_files(local)
+            if bad:
+                return None, ", ".join(bad)
+            try:
+                return _read_files(local, name, f"{self.root}/{name}"), ""
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+                # A checkpoint without checksums (older code): a file that does not parse.
+                return None, f"unreadable ({type(e).__name__}: {e})"
 
-            drafter_state = load_file(str(local / WEIGHTS_FILE))
-            opt = _unflatten_optimizer(
-                load_file(str(local / "optimizer.safetensors")),
-                json.loads((local / "optimizer.json").read_text()),
-            )
-            trainer_state = json.loads((local / "trainer_state.json").read_text())
-            rng = load_file(str(local / "trainer_state.safetensors"))
-        return CheckpointData(name, f"{self.root}/{name}", drafter_state, opt, trainer_state, rng)
+
+def existing_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """step_* directories (complete or not) and LATEST under `root`; [] if none."""
+    fs, path = fsspec.core.url_to_fs(root.rstrip("/"), **(storage_options or {}))
+    fs.invalidate_cache()
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    names = (Path(str(e)).name for e in entries)
+    return sorted(n for n in names if n == LATEST or _STEP_NAME.match(n))
+
+
+def remove_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete the step_* directories and LATEST under `root` (an explicit start-over)."""
+    fs, path = fsspec.core.url_to_fs(root.rstrip("/"), **(storage_options or {}))
+    # LATEST first: a crash half-way leaves no pointer to a half-deleted checkpoint.
+    for name in sorted(existing_checkpoints(root, storage_options), key=lambda n: n != LATEST):
+        fs.rm(f"{path}/{name}", recursive=name != LATEST)
+
+
+# ------------------------------------------------------- the trainer's state in and out
+
+
+def run_meta(tr: Trainer) -> dict[str, Any]:
+    """meta.json of a checkpoint and of the final drafter: what trained it."""
+    from dflash_trainer.config import config_to_dict
+
+    return {
+        "step": tr.step,
+        "target": config_to_dict(tr.cfg.target),
+        "training": config_to_dict(tr.cfg.training),
+        "data": config_to_dict(tr.cfg.data),
+        "run": str(tr.run_dir),
+    }
+
+
+def _fsdp_drafter(tr: Trainer) -> bool:
+    return tr.world.distributed and tr.cfg.distributed.data_parallel == "fsdp"
+
+
+def full_states(tr: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Unsharded model and optimizer state (a collective under FSDP: every rank calls)."""
+    if not _fsdp_drafter(tr):
+        return tr.drafter.state_dict(), tr.optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd: Any = get_model_state_dict(tr.model, options=opts)
+    optim_sd: Any = get_optimizer_state_dict(tr.model, tr.optimizer, options=opts)
+    return model_sd, optim_sd
+
+
+def capture_state(
+    tr: Trainer, drafter_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+) -> CheckpointState:
+    """What a checkpoint of `tr` holds: weights, optimizer, schedule, data position, RNG."""
+    # Anchors and noise are re-seeded per step (Trainer._stream_seed); the generator
+    # states are kept for inspection only.
+    rng = {"torch_cpu": torch.get_rng_state(), "anchor_gen": tr.anchor_gen.get_state()}
+    trainer_state = {
+        "step": tr.step,
+        "micro_steps": tr.micro_steps,
+        "position": {"epoch": tr.position.epoch, "step": tr.position.step},
+        "scheduler": tr.scheduler.state_dict(),
+        "bad_steps": tr.bad_steps,
+        "skipped_total": tr.skipped_total,
+        "truncated_total": tr.truncated_total,
+        "tokens_seen": tr.tokens_seen,
+        "world_size": tr.world.world_size,
+        "total_steps": tr.total_steps,
+    }
+    return CheckpointState(
+        tr.step, tr.spec, drafter_state, run_meta(tr), optimizer_state, trainer_state, rng
+    )
+
+
+def restore_state(tr: Trainer, data: CheckpointData) -> None:
+    """Put a loaded checkpoint back into `tr` (the inverse of capture_state)."""
+    ts = data.trainer_state
+    if ts.get("world_size", 1) != tr.world.world_size:
+        raise DFlashError(
+            f"{data.location} was written by a run with {ts['world_size']} ranks; this run "
+            f"has {tr.world.world_size}. Resume with the same number of ranks (the data "
+            "order and anchor streams are per rank)"
+        )
+    if _fsdp_drafter(tr):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        full: Any = data.drafter_state
+        set_model_state_dict(tr.model, full, options=opts)
+        set_optimizer_state_dict(tr.model, tr.optimizer, data.optimizer_state, options=opts)
+    else:
+        tr.drafter.load_state_dict(data.drafter_state)
+        tr.optimizer.load_state_dict(data.optimizer_state)
+    tr.scheduler.load_state_dict(ts["scheduler"])
+    tr.step = ts["step"]
+    # Older checkpoints: no step was ever skipped as empty, so micro-steps = steps x accum.
+    tr.micro_steps = ts.get("micro_steps", ts["step"] * tr.cfg.training.grad_accum_steps)
+    tr.position = Position(**ts["position"])
+    tr.bad_steps = ts["bad_steps"]
+    tr.skipped_total = ts["skipped_total"]
+    tr.truncated_total = ts["truncated_total"]
+    tr.tokens_seen = ts["tokens_seen"]
 
 
 def _fsync_file(p: Path) -> None:

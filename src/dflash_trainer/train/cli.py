@@ -26,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build everything, run one step, print the plan, exit",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a run directory that has checkpoints, deleting them "
+        "(without it, that is refused: use --resume to continue)",
+    )
     p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
     p.add_argument(
         "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
@@ -74,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus and "RANK" not in os.environ:
         return _launch_torchrun(args)
     cfg = resolve_config(args)
+    if not args.resume and not args.dry_run:
+        from dflash_trainer.train.run_dir import check_fresh_start
+
+        # Refuse before the pre-flight checks spend minutes loading the target; the
+        # trainer (rank 0) deletes the checkpoints when --overwrite asks it to.
+        check_fresh_start(cfg, Path(cfg.run.output_dir), args.overwrite, False, print)
     if not args.skip_doctor and not args.resume:
         from dflash_trainer.doctor.run import run_doctor
 
@@ -90,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
 
         run_dir = Path(cfg.run.output_dir) / "dry-run"
         cfg = replace(cfg, run={"output_dir": str(run_dir)}, training={"max_steps": 1})
-    trainer = Trainer(cfg, resume=bool(args.resume), argv=sys.argv)
+    if args.overwrite and args.resume:
+        raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
+    trainer = Trainer(cfg, resume=bool(args.resume), argv=sys.argv, overwrite=args.overwrite)
     if args.dry_run:
         st = trainer.train_step()
         n_params = sum(p.numel() for p in trainer.drafter.parameters())

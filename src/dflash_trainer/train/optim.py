@@ -8,6 +8,7 @@ skips norms (1-D tensors), as is standard for transformer blocks.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,3 +47,31 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, total_steps, warmup, t.min_lr_ratio)
     )
+
+
+# Checkpoints store optimizer state without pickles: tensors to safetensors, the rest JSON.
+def flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    # Keys are parameter indices (plain optimizers) or names with dots (FSDP full state
+    # dicts): "/" separates them from the state field, and the key kind is recorded.
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    int_keys = all(isinstance(k, int) for k in sd["state"])
+    for idx, st in sd["state"].items():
+        for key, val in st.items():
+            if torch.is_tensor(val):
+                tensors[f"state/{idx}/{key}"] = val.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[key] = val
+    meta = {"param_groups": sd["param_groups"], "scalars": scalars, "int_keys": int_keys}
+    return tensors, meta
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    as_key: Any = int if meta.get("int_keys", True) else str
+    state: dict[Any, dict[str, Any]] = {}
+    for name, t in tensors.items():
+        head, key = name.rsplit("/", 1)
+        state.setdefault(as_key(head.split("/", 1)[1]), {})[key] = t
+    for idx, vals in meta.get("scalars", {}).items():
+        state.setdefault(as_key(idx), {}).update(vals)
+    return {"state": state, "param_groups": meta["param_groups"]}

@@ -9,11 +9,13 @@ Every run directory says exactly what ran: `config.yaml` (resolved, re-loadable)
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import yaml
 
 from dflash_trainer.config import Config, config_to_dict
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.train.checkpoint import existing_checkpoints, remove_checkpoints
 
 
 def git_sha() -> str | None:
@@ -78,6 +82,39 @@ def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
+def check_fresh_start(
+    cfg: Config, run_dir: Path, overwrite: bool, is_main: bool, log: Callable[[str], None]
+) -> None:
+    """Refuse a fresh run over one that has checkpoints, unless `overwrite` (then clear them).
+
+    Starting over silently would move LATEST back to the new run's first checkpoint and
+    interleave two runs' rows in metrics.jsonl.
+    """
+    root = cfg.run.checkpoint_dir or str(run_dir / "checkpoints")
+    found = existing_checkpoints(root, cfg.run.storage_options)
+    if not found:
+        return
+    if not overwrite:
+        shown = ", ".join(found[-3:])
+        raise DFlashError(
+            f"run.output_dir={run_dir} already holds a run with checkpoints ({root}: {shown}). "
+            f"Continue it with `dflash train --resume {run_dir}`, give a new run.output_dir, "
+            "or pass --overwrite to delete its checkpoints and start over"
+        )
+    if is_main:
+        remove_checkpoints(root, cfg.run.storage_options)
+        log(f"--overwrite: deleted the checkpoints in {root}; starting over")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class MetricsLog:
     """Appends JSON lines (and TensorBoard scalars when tensorboard is installed)."""
 
@@ -94,15 +131,20 @@ class MetricsLog:
                 self._tb = None
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop lines logged after the checkpoint (they will be redone)."""
-        if not self.path.is_file():
+        """Drop rows logged after `step` (they will be redone): the resumed checkpoint's
+        step on resume, 0 on a fresh start. Rewritten atomically (a crash keeps the old
+        file); a torn last line (a crash mid-append) is dropped too."""
+        if not self.enabled or not self.path.is_file():
             return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                keep.append(line)
+        _write_atomic(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -60,21 +60,33 @@ class StepSettings:
     """Padded tokens (rows x longest) per target micro-batch."""
 
 
-def settings_from_config(cfg: Config, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
-    """The step settings of a run (the trainer's, and the planner's replay of it).
+def settings_for_spec(cfg: Config, spec: DrafterSpec, fixed_shapes: bool) -> StepSettings:
+    """The trainer's step settings: block size and mask token read from the drafter spec."""
+    return _settings(cfg, spec.block_size, spec.mask_token_id, fixed_shapes)
 
-    Fixed shapes (pack padded to the budget, anchors to max_anchors) keep torch.compile
+
+def settings_from_config(cfg: Config, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
+    """The step settings of a run before its drafter spec is resolved (the planner's replay).
+
+    The spec's block size is the config's (core/geometry.py), so this equals
+    `settings_for_spec` of the resolved spec.
+    """
+    return _settings(cfg, cfg.drafter.block_size, mask_token_id, fixed_shapes)
+
+
+def _settings(cfg: Config, block_size: int, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
+    """Fixed shapes (pack padded to the budget, anchors to max_anchors) keep torch.compile
     to one graph; without compile, or for the unpacked baseline, shapes follow the data.
     """
     t, d = cfg.training, cfg.data
     return StepSettings(
-        block_size=cfg.drafter.block_size,
+        block_size=block_size,
         mask_token_id=mask_token_id,
         max_anchors=t.max_anchors,
         labels=t.labels,
         loss=t.loss,
         weighting=t.weighting,
-        gamma=t.resolved_gamma(cfg.drafter.block_size),
+        gamma=t.resolved_gamma(block_size),
         dpace_alpha=t.dpace_alpha,
         chunk_rows=t.loss_chunk_rows,
         fixed_ctx_len=-(-d.token_budget // FLEX_BLOCK) * FLEX_BLOCK if fixed_shapes else None,

@@ -1,137 +1,67 @@
 """The training loop.
 
-`Trainer.__init__` builds the parts in this order, because each needs the previous:
-  1. world (torchrun ranks, devices) and the run directory (config, provenance,
-     per-rank compile caches);
-  2. target (frozen, taps) and tokenizer;
-  3. drafter spec (derived from the target's config) and model, optionally from a
-     published or exported drafter;
-  4. data (prepared shards; prepared on first use) and the token-budget batcher;
-  5. data parallelism (DDP / FSDP2); compilation is *lazy*: FlexAttention is compiled
-     on the first step, never at construction (seed: compiling early corrupted caches);
-  6. optimizer and schedule;
-  7. checkpointer, then resume (weights, optimizer, schedule, RNG, data position);
-  8. metrics (JSONL, TensorBoard).
-`train()` is the loop; `train_step()` reads top to bottom: target, blocks, drafter.
+`Trainer.__init__` builds the parts in this order, one builder per stage, each reading
+the ones before it:
+  1. `_build_world`: torchrun ranks and devices, the run directory (refusing to start
+     over a run that has checkpoints unless asked), config and provenance files;
+  2. `_build_target`: the frozen target (taps) and the drafter spec derived from it;
+  3. `_build_drafter`: the drafter, optionally from a published or exported drafter;
+  4. `_build_parallelism`: data parallelism (DDP / FSDP2) around the drafter;
+  5. `_build_compile`: whether to compile, fixed shapes, the step settings. Compilation
+     itself is *lazy*: FlexAttention is compiled on the first step, never here
+     (seed: compiling early corrupted caches);
+  6. `_build_data`: prepared shards (prepared on first use), the token-budget batcher
+     and the run's step count;
+  7. `_build_optimizer`: optimizer and schedule (the schedule needs the step count);
+  8. `_build_checkpointer`: checkpoints, then resume (train/checkpoint.py says what a
+     checkpoint holds);
+  9. `_build_metrics`: JSONL and TensorBoard, cut back to the resumed step.
+`train()` is the loop; `train_step()` and its stages are in train/stepping.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import queue
 import signal
-import threading
-import time
-from dataclasses import dataclass
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash_trainer.config import Config
-from dflash_trainer.core.drafter import DFlashDrafter, flex_attention_eager, sdpa_attention
+from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import resolve_drafter_spec
-from dflash_trainer.core.loss import decay_weights
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
-from dflash_trainer.train.checkpoint import Checkpointer
-from dflash_trainer.train.dataset import TrainData, load_train_data
-from dflash_trainer.train.optim import build_optimizer, build_scheduler
-from dflash_trainer.train.run_dir import MetricsLog, write_run_files
-from dflash_trainer.train.step import (
-    StepSettings,
-    drafter_loss,
-    prepare_blocks,
-    run_target,
-    settings_from_config,
+from dflash_trainer.train.checkpoint import (
+    Checkpointer,
+    capture_state,
+    full_states,
+    restore_state,
+    run_meta,
 )
+from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
+from dflash_trainer.train.optim import build_optimizer, build_scheduler
+from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
+from dflash_trainer.train.step import (
+    settings_for_spec,
+)
+from dflash_trainer.train.stepping import Stepper, StepStats, TargetPrefetcher
 
 
-@dataclass
-class StepStats:
-    loss: float
-    metrics: dict[str, Any]
-    grad_norm: float
-    skipped: bool
-    target_s: float
-    drafter_s: float
-    tokens: int
-    truncated: int
+def _warn(msg: str) -> None:
+    print(f"[dflash] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class _Staged:
-    """Output of the target stage of one micro-step."""
-
-    index: int
-    units: list[tuple[Any, StepSettings]]
-    truncated: int
-    seconds: float
+def _quiet(msg: str) -> None:
+    """Other ranks read the same checkpoints: rank 0 alone reports on them."""
 
 
-class TargetPrefetcher:
-    """Runs the target stage one micro-step ahead in a single background thread.
-
-    Only this thread ever runs the target (and its Triton/FLA kernels), and it starts
-    after the first step has compiled and autotuned everything on the main thread, so
-    no autotuner or compile cache is ever used by two threads at once (the seed's
-    crash). The data order is the batcher's, so results equal the sequential path.
-    """
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.queue: queue.Queue[tuple[int, _Staged | BaseException]] = queue.Queue(maxsize=1)
-        self.thread: threading.Thread | None = None
-        self.stop = threading.Event()
-
-    def _run(self, index: int, pos: Position) -> None:
-        tr = self.trainer
-        while not self.stop.is_set():
-            try:
-                item: _Staged | BaseException = tr._target_stage(index, pos)
-            except BaseException as e:  # handed to the main thread, which raises it
-                item = e
-            while not self.stop.is_set():
-                try:
-                    self.queue.put((index, item), timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-            index += 1
-            pos = tr.batcher.advance(pos)
-
-    def get(self, index: int, pos: Position) -> _Staged:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, args=(index, pos), daemon=True)
-            self.thread.start()
-        got_index, item = self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        assert got_index == index, f"prefetched micro-step {got_index}, expected {index}"
-        return item
-
-    def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            while True:
-                try:
-                    self.queue.get_nowait()
-                except queue.Empty:
-                    break
-            self.thread.join(timeout=60)
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-class Trainer:
+class Trainer(Stepper):
     def __init__(
         self,
         cfg: Config,
@@ -139,26 +69,44 @@ class Trainer:
         argv: list[str] | None = None,
         log_to_console: bool = True,
         data: TrainData | None = None,
+        overwrite: bool = False,
     ) -> None:
-        self.cfg = cfg
-        t = cfg.training
-        # 1. world and run directory
-        self.world = D.init_world(cfg.distributed, t.device)
-        self.run_dir = Path(cfg.run.output_dir)
-        self.console = log_to_console and self.world.is_main
-        if self.world.is_main:
-            write_run_files(self.run_dir, cfg, argv)
-        self.compile = (
-            t.compile if t.compile is not None else self.world.drafter_device.type == "cuda"
-        )
-        if self.compile:
-            D.set_compile_cache(self.run_dir, self.world.rank)
-        self.fixed_shapes = self.compile and t.pack_documents
+        """Build a run (stages in the module docstring's order).
 
-        # 2. target: whole on each rank, FSDP-sharded over the ranks (loaded on the host,
-        # then 1/world of each decoder layer per GPU), or spread over one process's GPUs
+        resume: continue from the newest intact checkpoint. overwrite: start over in a
+        run directory that has checkpoints, deleting them; without it that is refused.
+        """
+        self.cfg = cfg
+        self._build_world(log_to_console, resume, overwrite, argv)
+        self._build_target()
+        self._build_drafter()
+        self._build_parallelism()
+        self._build_compile()
+        self._build_data(data)
+        self._build_optimizer()
+        self._build_checkpointer(resume)
+        self._build_metrics(resume)
+
+    # --------------------------------------------------------------- builders
+
+    def _build_world(
+        self, log_to_console: bool, resume: bool, overwrite: bool, argv: list[str] | None
+    ) -> None:
+        self.world = D.init_world(self.cfg.distributed, self.cfg.training.device)
+        self.run_dir = Path(self.cfg.run.output_dir)
+        self.console = log_to_console and self.world.is_main
+        if not resume:
+            # Before any file of the run is rewritten: a fresh start over checkpoints
+            # would silently move LATEST back and repeat metrics rows.
+            check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
+        if self.world.is_main:
+            write_run_files(self.run_dir, self.cfg, argv)
+
+    def _build_target(self) -> None:
+        # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
+        # 1/world of each decoder layer per GPU), or spread over one process's GPUs.
+        cfg, dcfg = self.cfg, self.cfg.distributed
         self._log(f"loading target {cfg.target.name_or_path} ...")
-        dcfg = cfg.distributed
         model = load_target_model(
             cfg.target,
             D.target_load_device(dcfg, self.world),
@@ -168,16 +116,45 @@ class Trainer:
         D.apply_target_sharding(model, dcfg, self.world)
         self.target = FrozenTarget(model, self.spec.target_layer_ids)
 
-        # 3. drafter
+    def _build_drafter(self) -> None:
+        t = self.cfg.training
         torch.manual_seed(t.seed)
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
-        if cfg.drafter.init_from:
-            self._init_drafter_from(cfg.drafter.init_from)
+        if self.cfg.drafter.init_from:
+            self._init_drafter_from(self.cfg.drafter.init_from)
         else:
             self._init_output_norm()
         self.drafter.to(self.world.drafter_device).train()
 
-        # 4. data
+    def _build_parallelism(self) -> None:
+        if self.world.distributed and not self.cfg.training.pack_documents:
+            raise DFlashError(
+                "training.pack_documents=false (the unpacked benchmark baseline) runs a "
+                "different number of drafter forwards per rank, which data parallelism "
+                "cannot synchronise; use it with one process"
+            )
+        self.model = D.wrap_data_parallel(self.drafter, self.cfg.distributed, self.world)
+        self._lm_head: torch.Tensor | None = None
+        self._embed_table: torch.Tensor | None = None
+        # pairs: the target stage of the next step runs in one background thread
+        # (started after the warm-up step, see train()), overlapping the drafter step.
+        self.prefetch: TargetPrefetcher | None = None
+
+    def _build_compile(self) -> None:
+        t = self.cfg.training
+        dev = self.world.drafter_device
+        self.compile = t.compile if t.compile is not None else dev.type == "cuda"
+        if self.compile:
+            D.set_compile_cache(self.run_dir, self.world.rank)
+        self.fixed_shapes = self.compile and t.pack_documents
+        self._attn_fn: Any = None  # built on the first step, see _attention
+        self.settings = settings_for_spec(self.cfg, self.spec, self.fixed_shapes)
+        use_bf16 = t.precision == "bf16" and dev.type == "cuda"
+        self.autocast = torch.bfloat16 if use_bf16 else None
+        self.anchor_gen = torch.Generator().manual_seed(t.seed + 1000 * self.world.rank)
+
+    def _build_data(self, data: TrainData | None) -> None:
+        cfg, t = self.cfg, self.cfg.training
         self.data = data or load_train_data(cfg, self.run_dir, self.world.is_main)
         self.batcher = TokenBudgetBatcher(
             self.data.train.lengths,
@@ -191,50 +168,35 @@ class Trainer:
         self.total_steps = t.max_steps or max(
             1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps)
         )
+        self.in_training_eval = InTrainingEval(cfg, tokenizer_spec(cfg.target), self.data.eval)
 
-        if self.world.distributed and not t.pack_documents:
-            raise DFlashError(
-                "training.pack_documents=false (the unpacked benchmark baseline) runs a "
-                "different number of drafter forwards per rank, which data parallelism "
-                "cannot synchronise; use it with one process"
-            )
+    def _build_optimizer(self) -> None:
+        self.optimizer = build_optimizer(self.drafter, self.cfg.training)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.training, self.total_steps)
 
-        # 5. parallelism (compile is lazy, see _attention)
-        self.model = D.wrap_data_parallel(self.drafter, cfg.distributed, self.world)
-        self._attn_fn: Any = None
-        self._lm_head: torch.Tensor | None = None
-        self._embed_table: torch.Tensor | None = None
-        # pairs: the target stage of the next step runs in one background thread
-        # (started after the warm-up step, see train()), overlapping the drafter step.
-        self.prefetch: TargetPrefetcher | None = None
-
-        # 6. optimizer
-        self.optimizer = build_optimizer(self.drafter, t)
-        self.scheduler = build_scheduler(self.optimizer, t, self.total_steps)
-        self.settings = settings_from_config(cfg, self.spec.mask_token_id, self.fixed_shapes)
-        self.autocast = (
-            torch.bfloat16
-            if t.precision == "bf16" and self.world.drafter_device.type == "cuda"
-            else None
-        )
-        self.anchor_gen = torch.Generator().manual_seed(t.seed + 1000 * self.world.rank)
-
-        # 7. checkpoints and resume
+    def _build_checkpointer(self, resume: bool) -> None:
+        cfg = self.cfg
         ckpt_root = cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(ckpt_root, t.keep_last, cfg.run.storage_options)
+        log = _warn if self.world.is_main else _quiet
+        self.checkpointer = Checkpointer(
+            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log=log
+        )
         self.step = 0
+        self.micro_steps = 0  # micro-steps drawn (empty steps draw without stepping)
         self.position = Position()
         self.bad_steps = 0
         self.skipped_total = 0
         self.truncated_total = 0
         self.tokens_seen = 0
         if resume:
-            self._resume()
+            data = self.checkpointer.load()
+            restore_state(self, data)
+            self._log(f"resumed from {data.location} at step {self.step}")
 
-        # 8. metrics
+    def _build_metrics(self, resume: bool) -> None:
         self.metrics = MetricsLog(self.run_dir, enabled=self.world.is_main)
-        if resume:
-            self.metrics.truncate_after(self.step)
+        # Rows past the resumed step are redone; a fresh start redoes them all.
+        self.metrics.truncate_after(self.step if resume else 0)
         self._stop_signal: int | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -279,189 +241,12 @@ class Trainer:
         self.drafter.load_state_dict({k: v.float() for k, v in state.items()})
         self._log(f"drafter initialised from {path}")
 
-    def _attention(self) -> Any:
-        """Lazily build the attention function: compiled FlexAttention on the first step."""
-        if self._attn_fn is None:
-            if self.compile:
-                dynamic = False if self.fixed_shapes else None
-                with D.one_rank_at_a_time(self.world):
-                    self._attn_fn = torch.compile(flex_attention_eager, dynamic=dynamic)
-                    # Compiling each layer in place (keys unchanged) fuses norms, RoPE and
-                    # SwiGLU: 280 -> 240 ms and 34.6 -> 29.5 GB on the 27B drafter step
-                    # (benchmarks/drafter_step_h200_202612.md).
-                    for layer in self.drafter.layers:
-                        layer.compile(dynamic=dynamic)
-            else:
-                self._attn_fn = sdpa_attention
-        return self._attn_fn
-
-    def _stream_seed(self, index: int, stream: int) -> int:
-        """Seed of micro-step `index` on this rank for a stream (0 anchors, 1 noise).
-
-        Re-seeding per step (instead of carrying RNG state) makes resume exact for any
-        number of ranks, makes every rank's stream independent by construction, and lets
-        the target stage run ahead in another thread without touching the noise stream.
-        """
-        # The global position of this micro-step's documents (rank r takes step
-        # index * world + r of the epoch order), so a run with W ranks draws exactly the
-        # anchors and noise of one process doing W micro-steps on the same data.
-        global_index = index * self.world.world_size + self.world.rank
-        base = self.cfg.training.seed * 10_000_019 + global_index
-        return (base * 2 + stream) % (2**63)
-
-    def _unit_weight(self, blocks: Any, st: StepSettings) -> torch.Tensor | None:
-        """sum(w * valid) of a unit, as dflash_loss computes it (None for dpace)."""
-        if st.weighting != "decay":
-            return None
-        valid = blocks.anchors.slot_valid_NB
-        w = decay_weights(st.block_size, st.gamma, valid.device)[None, :] * valid
-        return w.sum().float()
-
-    def _lm_head_on_drafter(self) -> torch.Tensor:
-        if self._lm_head is None:
-            self._lm_head = self.target.lm_head_weight.to(self.world.drafter_device)
-        return self._lm_head
-
-    def _embed_on_drafter(self, ids: torch.Tensor) -> torch.Tensor:
-        """Block embeddings on the drafter's GPU (a copy of the target's table in pairs)."""
-        if self._embed_table is None:
-            emb = self.target.model.get_input_embeddings().weight.detach()
-            self._embed_table = emb.to(self.world.drafter_device)
-        return self._embed_table[ids.to(self._embed_table.device)]
-
-    def _documents(self, pos: Position) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        limit = self.cfg.data.doc_limit
-        idx = self.batcher.documents(pos)
-        docs = []
-        for i in idx:
-            d = self.data.train[i]
-            ids = torch.from_numpy(d.input_ids[:limit].astype("int64"))
-            mask = torch.from_numpy(d.loss_mask[:limit].astype("bool"))
-            docs.append((ids, mask))
-        return docs, self.batcher.truncated(idx)
-
-    # ------------------------------------------------------------------- step
-
-    def _target_stage(self, micro_index: int, pos: Position) -> _Staged:
-        """Target forward + anchors + labels of one micro-step (any thread)."""
-        t = self.cfg.training
-        tdev, ddev = self.world.target_device, self.world.drafter_device
-        self.anchor_gen.manual_seed(self._stream_seed(micro_index, 0))
-        t0 = time.perf_counter()
-        docs, trunc = self._documents(pos)
-        # pack_documents=false is the unpacked baseline: one drafter forward per
-        # document (anchors shared out by length), for benchmarks only.
-        units = [docs] if t.pack_documents else [[d] for d in docs]
-        total_len = sum(int(d[0].numel()) for d in docs)
-        staged = []
-        for unit in units:
-            settings = self.settings
-            if len(units) > 1:
-                share = sum(int(d[0].numel()) for d in unit) / total_len
-                settings = dataclasses.replace(
-                    settings, max_anchors=max(1, round(t.max_anchors * share))
-                )
-            tout = run_target(self.target, unit, settings)
-            staged.append(
-                (prepare_blocks(tout, self.target, settings, self.anchor_gen, ddev), settings)
-            )
-        _sync(tdev)
-        return _Staged(micro_index, staged, trunc, time.perf_counter() - t0)
-
-    def _next_staged(self, micro_index: int) -> _Staged:
-        """The target stage of `micro_index`: computed now, or prefetched (pairs)."""
-        if self.prefetch is None:
-            st = self._target_stage(micro_index, self.position)
-        else:
-            st = self.prefetch.get(micro_index, self.position)
-        self.position = self.batcher.advance(self.position)
-        return st
-
-    def train_step(self) -> StepStats:
-        """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage."""
-        t = self.cfg.training
-        ddev = self.world.drafter_device
-        self.optimizer.zero_grad(set_to_none=True)
-        target_s = drafter_s = 0.0
-        tokens = truncated = 0
-        loss_sum = 0.0
-        agg: dict[str, torch.Tensor] = {}
-        attn = self._attention()
-        lm_head = self._lm_head_on_drafter()
-        staged_all = []
-        for micro in range(t.grad_accum_steps):
-            index = self.step * t.grad_accum_steps + micro
-            staged_all.append((index, self._next_staged(index)))
-        # The step's loss is sum(w * l) / sum(w) over every supervised slot of every
-        # micro-step on every rank: ranks and micro-steps count by their slot weight,
-        # not equally. With decay weights the totals are known before the drafter runs
-        # (one all-reduce per step); dpace weights depend on the drafter's own CE, so
-        # then each micro-step is normalised on its own, across ranks.
-        unit_w = [[self._unit_weight(b, st) for b, st in sd.units] for _, sd in staged_all]
-        known = all(w is not None for ws in unit_w for w in ws)
-        total_w = None
-        if known:
-            local = torch.stack([w for ws in unit_w for w in ws if w is not None]).sum()
-            total_w = D.all_reduce_sum(local, self.world).clamp(min=1e-12)
-        n_units = sum(len(sd.units) for _, sd in staged_all)
-        for (index, staged), weights in zip(staged_all, unit_w):
-            target_s += staged.seconds
-            truncated += staged.truncated
-            # Noise is drawn on the drafter side only, from its own per-step seed.
-            torch.manual_seed(self._stream_seed(index, 1))
-            t1 = time.perf_counter()
-            for (blocks, settings), w in zip(staged.units, weights):
-                res = drafter_loss(
-                    self.model,
-                    blocks,
-                    self._embed_on_drafter,
-                    lm_head,
-                    settings,
-                    attn_fn=attn,
-                    use_flex=self.compile,
-                    autocast_dtype=self.autocast,
-                )
-                if total_w is not None and w is not None:
-                    scale = self.world.world_size * w.to(res.loss.device) / total_w
-                else:
-                    local_w = res.metrics["weight_sum"].float()
-                    global_w = D.all_reduce_sum(local_w, self.world).clamp(min=1e-12)
-                    scale = self.world.world_size * local_w / global_w / n_units
-                (res.loss * scale).backward()
-                tokens += blocks.pack.num_tokens
-                loss_sum += float(res.loss.detach()) / n_units
-                for k, v in res.metrics.items():
-                    agg[k] = agg.get(k, 0) + v.float() / n_units
-            _sync(ddev)
-            drafter_s += time.perf_counter() - t1
-
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
-        )
-        finite = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-            self.bad_steps = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.bad_steps += 1
-            self.skipped_total += 1
-        self.scheduler.step()
-        self.step += 1
-        self.tokens_seen += tokens
-        self.truncated_total += truncated
-        return StepStats(
-            loss_sum, agg, float(grad_norm), not finite, target_s, drafter_s, tokens, truncated
-        )
-
     # ------------------------------------------------------------------- loop
 
     def train(self) -> dict[str, Any]:
         from tqdm import tqdm
 
-        t = self.cfg.training
         self._install_signal_handlers()
-        window: list[StepStats] = []
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -475,43 +260,10 @@ class Trainer:
             f"drafter {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.1f}M params, "
             f"compile={'on' if self.compile else 'off'}"
         )
-        last_ckpt = None
         try:
-            while self.step < self.total_steps:
-                st = self.train_step()
-                if self.cfg.distributed.placement == "pairs" and self.prefetch is None:
-                    # Warm-up done (compile, autotune) on this thread: now overlap.
-                    self.prefetch = TargetPrefetcher(self)
-                window.append(st)
-                bar.update(1)
-                if st.skipped:
-                    self._log(f"step {self.step}: non-finite loss or gradient, step skipped")
-                    if self.bad_steps >= t.max_bad_steps:
-                        where = self.checkpointer.latest() or "none yet"
-                        raise DFlashError(
-                            f"{self.bad_steps} consecutive non-finite steps (last at step "
-                            f"{self.step}); stopping. The last good checkpoint ({where}) is "
-                            "intact: lower training.lr, check the data, or resume from it"
-                        )
-                if self.step % t.log_every == 0 or self.step == self.total_steps:
-                    rec = self._log_window(window)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['exact_tau']:.2f}")
-                    window = []
-                if t.eval_every and self.step % t.eval_every == 0:
-                    self._in_training_eval()
-                if self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
-                    if self.bad_steps == 0:
-                        last_ckpt = self.save_checkpoint()
-                    else:
-                        # Never let an unstable state replace the last good checkpoint.
-                        self._log(f"step {self.step}: checkpoint skipped after non-finite steps")
-                if self._stop_signal is not None:
-                    last_ckpt = self.save_checkpoint()
-                    self._log(
-                        f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint "
-                        f"{last_ckpt}; continue with: dflash train --resume {self.run_dir}"
-                    )
-                    return {"step": self.step, "stopped": True, "checkpoint": last_ckpt}
+            stopped = self._loop(bar)
+            if stopped is not None:
+                return stopped
             last_ckpt = self.save_checkpoint()
             self._write_final_drafter()
             self._write_plots()
@@ -521,6 +273,70 @@ class Trainer:
             bar.close()
             self.metrics.close()
         return {"step": self.step, "stopped": False, "checkpoint": last_ckpt}
+
+    def _loop(self, bar: Any) -> dict[str, Any] | None:
+        """Steps until the end of the schedule (None) or a signal (the stop record)."""
+        t = self.cfg.training
+        window: list[StepStats] = []
+        empty_run = 0
+        while self.step < self.total_steps:
+            st = self.train_step()
+            if self.cfg.distributed.placement == "pairs" and self.prefetch is None:
+                # Warm-up done (compile, autotune) on this thread: now overlap.
+                self.prefetch = TargetPrefetcher(self)
+            if st.empty:
+                empty_run = self._empty_step(empty_run + 1)
+                continue
+            empty_run = 0
+            window.append(st)
+            bar.update(1)
+            if st.skipped:
+                self._bad_step()
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                rec = self._log_window(window)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['exact_tau']:.2f}")
+                window = []
+            if t.eval_every and self.step % t.eval_every == 0:
+                self._in_training_eval()
+            if self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
+                if self.bad_steps == 0:
+                    self.save_checkpoint()
+                else:
+                    # Never let an unstable state replace the last good checkpoint.
+                    self._log(f"step {self.step}: checkpoint skipped after non-finite steps")
+            if self._stop_signal is not None:
+                last_ckpt = self.save_checkpoint()
+                self._log(
+                    f"stopped by signal {self._stop_signal} at step {self.step}; checkpoint "
+                    f"{last_ckpt}; continue with: dflash train --resume {self.run_dir}"
+                )
+                return {"step": self.step, "stopped": True, "checkpoint": last_ckpt}
+        return None
+
+    def _bad_step(self) -> None:
+        self._log(f"step {self.step}: non-finite loss or gradient, step skipped")
+        if self.bad_steps >= self.cfg.training.max_bad_steps:
+            where = self.checkpointer.latest() or "none yet"
+            raise DFlashError(
+                f"{self.bad_steps} consecutive non-finite steps (last at step "
+                f"{self.step}); stopping. The last good checkpoint ({where}) is "
+                "intact: lower training.lr, check the data, or resume from it"
+            )
+
+    def _empty_step(self, empty_run: int) -> int:
+        """Log an unsupervised step (skipped, data moved on); stop if they never end."""
+        self._log(
+            f"step {self.step + 1}: the sampled anchors have no supervised slot; skipped "
+            "(the schedule does not advance, the data does)"
+        )
+        limit = max(self.cfg.training.max_bad_steps, 2 * self.batcher.steps_per_epoch)
+        if empty_run >= limit:
+            raise DFlashError(
+                f"{empty_run} consecutive steps without a supervised token: the data's "
+                f"loss masks supervise nothing ({self.cfg.data.train}); check the chat "
+                "template and data.train"
+            )
+        return empty_run
 
     def _log_window(self, window: list[StepStats]) -> dict[str, Any]:
         ok = [s for s in window if not s.skipped] or window
@@ -569,103 +385,27 @@ class Trainer:
         return rec
 
     def _in_training_eval(self) -> dict[str, Any] | None:
-        """The real speculative loop on a few held-out prompts: measured tau, logged.
+        """Served tau measured every eval_every steps (eval/in_training.py), on rank 0.
 
-        Training accuracy can look fine while served acceptance is ~1; this measures
-        the served number every eval_every steps, on rank 0 (others wait in the next
-        collective).
+        The other ranks wait in the next collective.
         """
         if not self.world.is_main:
             return None
-        if self.cfg.distributed.data_parallel == "fsdp" and self.world.distributed:
-            self._log("in-training eval skipped: the drafter is FSDP-sharded")
-            return None
-        if self.target.sharded:
-            # Rank 0 alone cannot run a target whose layers need every rank's all-gather.
-            self._log("in-training eval skipped: the target is FSDP-sharded")
-            return None
-        from dflash_trainer.data.loading import load_tokenizer
-        from dflash_trainer.eval.evaluate import evaluate_prompts
-        from dflash_trainer.eval.prompts import load_prompt_set
-        from dflash_trainer.train.dataset import tokenizer_spec
-
-        ev = self.cfg.eval
-        if not hasattr(self, "_eval_prompts"):
-            self._tokenizer = load_tokenizer(tokenizer_spec(self.cfg.target))
-            ps = load_prompt_set(ev.prompts[0], max_samples=ev.train_eval_samples, seed=ev.seed)
-            self._eval_prompts = [p.messages for p in ps.prompts]
-        t0 = time.perf_counter()
-        out = evaluate_prompts(self.drafter, self.target, self._tokenizer, self._eval_prompts, ev)
-        rec: dict[str, Any] = {
-            "step": self.step,
-            "eval_set": ev.prompts[0],
-            "eval_tau": float(out["tau"]),
-            "eval_tau_pooled": float(out["tau_pooled"]),
-            "eval_time_s": time.perf_counter() - t0,
-        }
-        msg = f"step {self.step}: measured tau on {ev.prompts[0]} = {rec['eval_tau']:.2f}"
-        walk = self._heldout_walk()
-        if walk is not None:
-            rec.update(heldout_walk_tau=walk["tau"], heldout_walk_time_s=walk["seconds"])
-            msg += f", walked held-out tau = {walk['tau']:.2f} ({walk['documents']:.0f} documents)"
-        self.metrics.write(rec)
+        rec, msg = self.in_training_eval.run(
+            self.step, self.drafter, self.target, drafter_sharded=self._fsdp_drafter()
+        )
+        if rec is not None:
+            self.metrics.write(rec)
         self._log(msg)
-        self.drafter.train()
         return rec
-
-    def _heldout_walk(self) -> dict[str, float] | None:
-        """The held-out split walked as greedy serving walks it (walk_eval.py), or None.
-
-        The in-batch tau's served counterpart on the training distribution: uniform anchors
-        overstate what serving, which counts tokens per step, will see.
-        """
-        n = self.cfg.eval.train_walk_docs
-        held_out = self.data.eval
-        if not n or held_out is None:
-            return None
-        from dflash_trainer.eval.walk import walked_tau
-
-        t0 = time.perf_counter()
-        docs = [held_out[i] for i in range(min(n, len(held_out)))]
-        # Each answer is walked over its first eval.max_new_tokens tokens, the length the
-        # served eval measures (and a bound on the walk's cost for long documents).
-        out = walked_tau(self.drafter, self.target, docs, self.cfg.eval.max_new_tokens)
-        out["seconds"] = time.perf_counter() - t0
-        return out
 
     # ------------------------------------------------------------ checkpoints
 
-    def _meta(self) -> dict[str, Any]:
-        from dflash_trainer.config import config_to_dict
-
-        return {
-            "step": self.step,
-            "target": config_to_dict(self.cfg.target),
-            "training": config_to_dict(self.cfg.training),
-            "data": config_to_dict(self.cfg.data),
-            "run": str(self.run_dir),
-        }
-
-    def _sharded(self) -> bool:
+    def _fsdp_drafter(self) -> bool:
         return self.world.distributed and self.cfg.distributed.data_parallel == "fsdp"
 
-    def _full_states(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Unsharded model and optimizer state (a collective under FSDP: every rank calls)."""
-        if not self._sharded():
-            return self.drafter.state_dict(), self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd: Any = get_model_state_dict(self.model, options=opts)
-        optim_sd: Any = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        return model_sd, optim_sd
-
     def save_checkpoint(self) -> str | None:
-        state, optim_state = self._full_states()
+        state, optim_state = full_states(self)
         if not self.world.is_main:
             D.broadcast_object(None, self.world)
             return None
@@ -674,71 +414,17 @@ class Trainer:
                 f"step {self.step}: the drafter has non-finite weights; refusing to overwrite "
                 f"the last good checkpoint ({self.checkpointer.latest() or 'none'})"
             )
-        # Anchors and noise are re-seeded per step (_stream_seed); the generator
-        # states are kept for inspection only.
-        rng = {"torch_cpu": torch.get_rng_state(), "anchor_gen": self.anchor_gen.get_state()}
-        trainer_state = {
-            "step": self.step,
-            "position": {"epoch": self.position.epoch, "step": self.position.step},
-            "scheduler": self.scheduler.state_dict(),
-            "bad_steps": self.bad_steps,
-            "skipped_total": self.skipped_total,
-            "truncated_total": self.truncated_total,
-            "tokens_seen": self.tokens_seen,
-            "world_size": self.world.world_size,
-            "total_steps": self.total_steps,
-        }
-        loc = self.checkpointer.save(
-            self.step,
-            self.spec,
-            state,
-            self._meta(),
-            optim_state,
-            trainer_state,
-            rng,
-        )
+        loc = self.checkpointer.save(capture_state(self, state, optim_state))
         D.broadcast_object(loc, self.world)
         return loc
 
-    def _resume(self) -> None:
-        data = self.checkpointer.load()
-        ts = data.trainer_state
-        if ts.get("world_size", 1) != self.world.world_size:
-            raise DFlashError(
-                f"{data.location} was written by a run with {ts['world_size']} ranks; this run "
-                f"has {self.world.world_size}. Resume with the same number of ranks (the data "
-                "order and anchor streams are per rank)"
-            )
-        if self._sharded():
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True)
-            full: Any = data.drafter_state
-            set_model_state_dict(self.model, full, options=opts)
-            set_optimizer_state_dict(self.model, self.optimizer, data.optimizer_state, options=opts)
-        else:
-            self.drafter.load_state_dict(data.drafter_state)
-            self.optimizer.load_state_dict(data.optimizer_state)
-        self.scheduler.load_state_dict(ts["scheduler"])
-        self.step = ts["step"]
-        self.position = Position(**ts["position"])
-        self.bad_steps = ts["bad_steps"]
-        self.skipped_total = ts["skipped_total"]
-        self.truncated_total = ts["truncated_total"]
-        self.tokens_seen = ts["tokens_seen"]
-        self._log(f"resumed from {data.location} at step {self.step}")
-
     def _write_final_drafter(self) -> None:
-        state, _ = self._full_states()
+        state, _ = full_states(self)
         if not self.world.is_main:
             return
         from dflash_trainer.formats.drafter_io import save_drafter_files
 
-        save_drafter_files(self.run_dir / "drafter", self.spec, state, self._meta())
+        save_drafter_files(self.run_dir / "drafter", self.spec, state, run_meta(self))
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
     def _write_plots(self) -> None:
