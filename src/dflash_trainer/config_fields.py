@@ -267,10 +267,10 @@ def check_protocol(s: str, path: str) -> None:
         return
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import known_implementations, registry
     except ImportError:
         fail(path, f"{s!r} is a {proto}:// URL but fsspec is not installed; use a local path")
-    if proto not in known_implementations and proto not in fsspec.registry.registry:
+    if proto not in known_implementations and proto not in registry:
         known = sorted(known_implementations)
         fail(path, f"unknown protocol {proto!r} in {s!r}; fsspec knows {known}")
     try:
