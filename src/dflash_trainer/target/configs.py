@@ -190,16 +190,20 @@ def _is_size(key: str) -> bool:
     return key.startswith("num_") or key.endswith(("_size", "_dim", "max_position_embeddings"))
 
 
-def check_hf_override(text: Any, key: str, value: Any) -> None:
+def check_hf_override(text: Any, key: str, value: Any) -> Any:
     """One override against the target's config class: the field exists and the value
-    has the type (and, for sizes and counts, the sign) of what it replaces."""
+    has the type (and, for sizes and counts, the sign) of what it replaces. Returns the
+    value to set (YAML 1.1 reads `1e-6` as a string: a float field takes it as a number)."""
     where = f"target.hf_config_overrides.{key}"
     cls = type(text).__name__
     if not hasattr(text, key):
         raise DFlashError(f"{where}: the target config ({cls}) has no field {key!r}")
     current = getattr(text, key)
     if current is None or value is None:
-        return
+        return value
+    if isinstance(current, float) and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
     if isinstance(current, bool):
         ok = isinstance(value, bool)
     elif isinstance(current, int):
@@ -218,14 +222,14 @@ def check_hf_override(text: Any, key: str, value: Any) -> None:
         )
     if isinstance(current, int) and not isinstance(current, bool) and _is_size(key) and value < 1:
         raise DFlashError(f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}")
+    return value
 
 
 def apply_hf_overrides(text: Any, overrides: dict[str, Any]) -> None:
     """Check every override against the config class, then set them (and shorten
     layer_types to a smaller num_hidden_layers)."""
-    for key, value in overrides.items():
-        check_hf_override(text, key, value)
-    for key, value in overrides.items():
+    checked = {key: check_hf_override(text, key, value) for key, value in overrides.items()}
+    for key, value in checked.items():
         setattr(text, key, value)
     if "num_hidden_layers" in overrides and hasattr(text, "layer_types"):
         lt = getattr(text, "layer_types", None)

@@ -63,6 +63,7 @@ def load_target_model(
 
     dtype = _DTYPES[tcfg.dtype]
     trust = allow_remote_code(tcfg)
+    cfg: Any = None
     if tcfg.random_init or tcfg.hf_config_overrides:
         # The overrides are checked against the config class before any weight exists.
         cfg = load_target_config(tcfg)
@@ -87,8 +88,8 @@ def load_target_model(
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
             ) from e
-        for key, value in tcfg.hf_config_overrides.items():  # checked above
-            setattr(model.config, key, value)
+        for key in tcfg.hf_config_overrides:  # the values checked (and typed) above
+            setattr(model.config, key, getattr(cfg, key))
         model.to(device)
     model.eval()
     model.requires_grad_(False)
