@@ -109,10 +109,16 @@ def test_gamma_defaults_follow_the_paper():
         ("data.max_doc_tokens=10000000", r"data\.max_doc_tokens: must be in \[2, 2\*\*18\]"),
         ("training.max_anchors=1000000", r"training\.max_anchors: must be in \[1, 16384\]"),
         ("drafter.num_layers=1000000", r"drafter\.num_layers: must be in \[1, 64\]"),
-        ("run.output_dir=nosuchproto://bucket/run", r"run\.output_dir: unknown protocol 'nosuchproto'.*fsspec knows \[.*s3"),
+        (
+            "run.output_dir=nosuchproto://bucket/run",
+            r"run\.output_dir: unknown protocol 'nosuchproto'.*fsspec knows \[.*s3",
+        ),
         ("run.checkpoint_dir=zzz://x", r"run\.checkpoint_dir: unknown protocol 'zzz'"),
         ("target.gguf_file=../../x.gguf", r"target\.gguf_file: must be a file name"),
-        ("target.hf_config_overrides={1: 2}", r"target\.hf_config_overrides: keys must be field names"),
+        (
+            "target.hf_config_overrides={1: 2}",
+            r"target\.hf_config_overrides: keys must be field names",
+        ),
         ("training.device=cuda:x", r"training\.device"),
     ],
 )
@@ -169,7 +175,7 @@ def test_every_field_declares_a_rule_or_has_a_closed_type():
 
 def test_recipe_names_only(tmp_path):
     for name in ("../../../etc/x", "/etc/passwd", "a/b", ".."):
-        with pytest.raises(ConfigError, match="takes the name of a bundled recipe.*--config"):
+        with pytest.raises(ConfigError, match=r"takes the name of a bundled recipe.*--config"):
             load_config(recipe=name)
 
 
@@ -211,7 +217,10 @@ def tiny_target_dir(tmp_path):
     ("override", "message"),
     [
         ("{nope: 1}", r"hf_config_overrides\.nope: the target config \(LlamaConfig\) has no field"),
-        ("{num_hidden_layers: abc}", r"hf_config_overrides\.num_hidden_layers: LlamaConfig\.num_hidden_layers is int"),
+        (
+            "{num_hidden_layers: abc}",
+            r"hf_config_overrides\.num_hidden_layers: LlamaConfig\.num_hidden_layers is int",
+        ),
         ("{num_hidden_layers: 2.5}", r"num_hidden_layers is int"),
         ("{num_hidden_layers: 0}", r"num_hidden_layers counts or sizes something; must be >= 1"),
         ("{rms_norm_eps: .nan}", r"rms_norm_eps is float"),
@@ -224,7 +233,10 @@ def test_hf_config_overrides_checked_against_the_config_class(tiny_target_dir, o
     from dflash_trainer.target.model import load_target_model
 
     cfg = load_config(
-        overrides=[f"target.name_or_path={tiny_target_dir}", f"target.hf_config_overrides={override}"]
+        overrides=[
+            f"target.name_or_path={tiny_target_dir}",
+            f"target.hf_config_overrides={override}",
+        ]
     )
     with pytest.raises(DFlashError, match=message):
         load_target_config(cfg.target)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from dflash_trainer import __version__
 from dflash_trainer.config import ConfigError
-from dflash_trainer.config_cli import in_command_line_order, is_override
+from dflash_trainer.config_cli import in_command_line_order
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.configs import remote_code_granted
 
@@ -83,7 +83,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args
-    stray = [w for w in extra if not is_override(w)]
+    stray = [w for w in extra if w.startswith("-")]  # a word is an override (or its error)
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = in_command_line_order(argv, [*args.overrides, *extra])

@@ -42,7 +42,9 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = False) ->
         src.add_argument(
             "--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint"
         )
-    p.add_argument("overrides", nargs="*", action=_Overrides, metavar="KEY=VALUE", help=OVERRIDE_HELP)
+    p.add_argument(
+        "overrides", nargs="*", action=_Overrides, metavar="KEY=VALUE", help=OVERRIDE_HELP
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -61,10 +63,6 @@ def add_trust_argument(p: argparse.ArgumentParser) -> None:
         help="let a target with target.trust_remote_code: true run its repository's Python "
         "(a config file alone never does)",
     )
-
-
-def is_override(word: str) -> bool:
-    return not word.startswith("-") and "=" in word
 
 
 def in_command_line_order(argv: Sequence[str], overrides: Sequence[str]) -> list[str]:

@@ -188,7 +188,9 @@ def build(cls: type, data: dict[str, Any], path: str) -> Any:
     unknown = sorted(str(k) for k in data if k not in names)
     if unknown:
         where = f"{path}." if path else ""
-        fail(f"{where}{unknown[0]}", f"unknown key; valid keys of {path or 'the config'} are {names}")
+        fail(
+            f"{where}{unknown[0]}", f"unknown key; valid keys of {path or 'the config'} are {names}"
+        )
     kwargs = {k: coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kwargs)
 

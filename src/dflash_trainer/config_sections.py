@@ -49,7 +49,9 @@ class TargetConfig:
     """Weights dtype of the target (fp32 is the safe choice on CPU)."""
     random_init: bool = False
     """Build the target from its config with random weights (shape/speed work only)."""
-    hf_config_overrides: dict[str, Any] = setting(factory=dict, identifier_keys=True)
+    hf_config_overrides: dict[str, Any] = field(
+        default_factory=dict, metadata={"rule": Rule(identifier_keys=True)}
+    )
     """Fields set on the target's HF config before building (e.g. num_hidden_layers for a smoke test)."""
     trust_remote_code: bool = False
     """Allow repository code to run; also needs `--trust-remote-code` on the command line."""

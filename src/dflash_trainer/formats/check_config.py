@@ -293,6 +293,7 @@ NUMBERS: dict[str, tuple[str, float, float]] = {
 
 
 def is_int(x: Any) -> bool:
+    """An integer that is not a bool (JSON true would otherwise pass as 1)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -332,7 +333,7 @@ def check_numbers(v: ConfigView, r: CheckReport) -> None:
     if ids is not None and not (isinstance(ids, list) and all(is_int(i) for i in ids)):
         r.error("target_layer_ids", f"is {ids!r}", "write a list of 0-based layer ids")
     vocab, mask = fields["vocab_size"], v.mask_token_id
-    if is_int(vocab) and is_int(mask) and not 0 <= mask < vocab:
+    if isinstance(vocab, int) and is_int(mask) and not 0 <= mask < vocab:
         r.error(
             "mask_token_id",
             f"{mask} outside the vocab 0..{vocab - 1}",

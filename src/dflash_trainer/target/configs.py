@@ -217,11 +217,12 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
         ok = True
     if not ok:
         raise DFlashError(
-            f"{where}: {cls}.{key} is {type(current).__name__} ({current!r}); "
-            f"got {value!r}"
+            f"{where}: {cls}.{key} is {type(current).__name__} ({current!r}); got {value!r}"
         )
     if isinstance(current, int) and not isinstance(current, bool) and _is_size(key) and value < 1:
-        raise DFlashError(f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}")
+        raise DFlashError(
+            f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}"
+        )
     return value
 
 
