@@ -13,12 +13,7 @@ import dflash_trainer
 
 ROOT = Path(dflash_trainer.__file__).parent
 # Modules every stage may use: the config tree, the error type, asset names, the version.
-FOUNDATION = {
-    "dflash_trainer",
-    "dflash_trainer.config",
-    "dflash_trainer.errors",
-    "dflash_trainer.assets",
-}
+FOUNDATION = {"dflash_trainer", "dflash_trainer.config", "dflash_trainer.errors", "dflash_trainer.assets"}
 
 
 def _module_name(path: Path) -> str:
@@ -99,9 +94,7 @@ def test_core_imports_no_stage_above_it():
     core = {m for m in graph if m.startswith("dflash_trainer.core")}
     assert core, "the core package moved: update this test"
     bad = {
-        m: sorted(
-            d for d in deps if not d.startswith("dflash_trainer.core") and d not in FOUNDATION
-        )
+        m: sorted(d for d in deps if not d.startswith("dflash_trainer.core") and d not in FOUNDATION)
         for m, deps in graph.items()
         if m in core
     }
