@@ -236,9 +236,9 @@ def test_source_config_validation() -> None:
         SourceConfig(name="x", path="p.jsonl", prompt="q", template="{q}")
     with pytest.raises(ConfigError, match=r"data\.sources\.a/b\.name"):
         SourceConfig(name="a/b", path="p.jsonl")
-    with pytest.raises(ConfigError, match=r"weight: must be > 0"):
+    with pytest.raises(ConfigError, match=r"data\.sources\.x\.weight: must be in \(0, "):
         SourceConfig(name="x", path="p.jsonl", weight=0)
-    with pytest.raises(ConfigError, match=r"cap: must be >= 1"):
+    with pytest.raises(ConfigError, match=r"data\.sources\.x\.cap: must be in \[1, "):
         SourceConfig(name="x", path="p.jsonl", cap=0)
 
 

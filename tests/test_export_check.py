@@ -209,3 +209,47 @@ def test_cli_check_of_speculators_reads_the_target_from_the_verifier(exported, c
 def test_check_of_a_directory_without_config(tmp_path, capsys):
     assert main(["export", "--check", str(tmp_path)]) == 1
     assert "no config.json" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- numbers of import / check
+
+NUMBER_BREAKS = [
+    (lambda c: c["dflash_config"].update(mask_token_id=-5), "mask_token_id", "outside the vocab"),
+    (lambda c: c.update(hidden_size="64"), "hidden_size", "not an integer"),
+    (lambda c: c.update(rms_norm_eps="tiny"), "rms_norm_eps", "not a number"),
+    (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps", "outside"),
+    (lambda c: c.update(num_hidden_layers=1000000), "num_hidden_layers", "outside"),
+    (lambda c: c.update(block_size="16"), "block_size", "not an integer"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=["1", 3]), "target_layer_ids", "is"),
+    (lambda c: c.update(rope_theta="big"), "rope_theta", "not a number"),
+]
+
+
+@pytest.mark.parametrize(("edit", "field", "why"), NUMBER_BREAKS)
+def test_import_refuses_numbers_no_drafter_can_have(exported, edit, field, why, capsys):
+    d = exported()
+    edit_config(d, edit)
+    assert main(["import", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import this drafter" in err and f"FAIL  {field}:" in err and why in err
+    report = check(d, None)  # export --check reports the same field, without a traceback
+    assert field in failed_fields(report), report.render()
+
+
+def test_speculators_with_strings_where_numbers_belong(exported, capsys):
+    d = exported("speculators")
+    edit_config(d, lambda c: c.update(block_size="x", aux_hidden_state_layer_ids=["a"]))
+    assert main(["export", "--check", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  block_size: is 'x', not an integer" in out
+    assert "FAIL  aux_hidden_state_layer_ids" in out
+    assert main(["import", str(d)]) == 2
+
+
+def test_import_against_a_target_with_another_vocab(exported, tmp_path, capsys):
+    d = exported()
+    edit_config(d, lambda c: c.update(vocab_size=10))
+    edit_config(d, lambda c: c["dflash_config"].update(mask_token_id=3))
+    assert main(["import", str(d), "--target", str(write_target(tmp_path / "t2"))]) == 2
+    err = capsys.readouterr().err
+    assert f"FAIL  vocab_size: 10 but the target has {SPEC.vocab_size}" in err

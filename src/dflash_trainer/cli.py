@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from dflash_trainer import __version__
 from dflash_trainer.config import ConfigError
+from dflash_trainer.config_cli import in_command_line_order
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.target.configs import remote_code_granted
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,38 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that override words after an option are still overrides.
+
+    argparse fills a `nargs="*"` positional once: in `--recipe R a=1 --dry-run b=2`
+    the `b=2` is left over. For commands that take overrides those words join them,
+    and all overrides are put back in command-line order (later wins).
+    """
+    args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "overrides"):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+    stray = [w for w in extra if w.startswith("-")]  # a word is an override (or its error)
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = in_command_line_order(argv, [*args.overrides, *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if not a.startswith("-")), None)
     parser = _build_parser(selected if selected in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return 0
     run: Callable[[argparse.Namespace], int] = args._run
     try:
-        return int(run(args) or 0)
+        # Repository code of a target runs only when the command line says so.
+        with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
+            return int(run(args) or 0)
     except (ConfigError, DFlashError, FileNotFoundError) as e:
         print(f"dflash {args.command}: error: {e}", file=sys.stderr)
         return 2

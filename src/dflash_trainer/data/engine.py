@@ -256,7 +256,11 @@ class StaticBatchEngine:
 
     def _decode(self) -> torch.Tensor:
         """One step of every row (the static shape the graph replays)."""
-        self.cache.rows, self.cache.positions, self.cache.fresh = self.row_ix, self.pos[:, None], False
+        self.cache.rows, self.cache.positions, self.cache.fresh = (
+            self.row_ix,
+            self.pos[:, None],
+            False,
+        )
         mask = (self.cols[None, :] <= self.pos[:, None])[:, None, :]  # [B, 1, L]
         logits = self._forward(self.ids, self.pos[:, None], mask)
         tok = self._pick(logits, self.keys, self.pos)

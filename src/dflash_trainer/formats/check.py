@@ -23,6 +23,7 @@ from dflash_trainer.formats.check_config import (
     ConfigView,
     Problem,
     check_geometry,
+    check_numbers,
     check_speculators_config,
     check_target,
     check_zlab_config,
@@ -35,7 +36,14 @@ from dflash_trainer.formats.speculators import (
 from dflash_trainer.formats.weights import weight_files
 from dflash_trainer.formats.zlab import expected_tensor_shapes, spec_from_zlab_config
 
-__all__ = ["DTYPES", "CheckReport", "Problem", "check_export", "read_config"]
+__all__ = [
+    "DTYPES",
+    "CheckReport",
+    "Problem",
+    "check_export",
+    "check_import_numbers",
+    "read_config",
+]
 
 
 # ------------------------------------------------------------------------ tensors
@@ -68,7 +76,7 @@ def _check_tensors(
         )
     if len(dtypes) > 1:
         r.error("tensors", f"mixed dtypes {sorted(map(str, dtypes))}", "store one dtype")
-    elif dtypes and cfg_dtype in DTYPES and DTYPES[cfg_dtype] not in dtypes:
+    elif dtypes and isinstance(cfg_dtype, str) and DTYPES.get(cfg_dtype) not in dtypes | {None}:
         r.error(
             "dtype",
             f"config says {cfg_dtype} but tensors are {next(iter(dtypes))}",
@@ -157,3 +165,23 @@ def _spec_for_shapes(cfg: dict[str, Any], fmt: str, v: ConfigView) -> DrafterSpe
         return spec_from_speculators_config(cfg, "config.json", n)[0]
     except (DFlashError, TypeError, ValueError):
         return None
+
+
+def check_import_numbers(
+    d: Path, cfg: dict[str, Any], target_config: Any | None = None
+) -> CheckReport:
+    """The numbers an import builds a drafter from (types, ranges, mask id inside the
+    vocab, and the target's dims when `target_config` is known). Lenient about missing
+    fields, which the importer fills; strict about wrong ones, which it cannot."""
+    r = CheckReport(d)
+    r.fmt = "speculators" if "speculators_model_type" in cfg else "zlab"
+    layout = CheckReport(d)  # the strict layout findings are export --check's business
+    view = (
+        check_speculators_config(cfg, layout)
+        if r.fmt == "speculators"
+        else check_zlab_config(cfg, layout)
+    )
+    check_numbers(view, r)
+    if target_config is not None and r.ok:
+        check_target(view, target_config, set(), r)
+    return r

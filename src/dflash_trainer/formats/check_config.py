@@ -19,7 +19,6 @@ from dflash_trainer.formats.zlab import (
     ARCHITECTURE,
     LAYER_TYPES,
     NEUTRAL_DFLASH_KEYS,
-    rope_theta_fields,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -165,6 +164,26 @@ def _obj(value: Any) -> dict[str, Any]:
 
 
 def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
+    layer = _check_speculators_kind(cfg, r)
+    block = cfg.get("block_size")
+    _check_speculators_proposal(cfg, block, r)
+    ids = _aux_layer_ids(cfg.get("aux_hidden_state_layer_ids"), r)
+    _check_speculators_flags(cfg, layer, r)
+    mask = cfg.get("mask_token_id")
+    if mask is None:
+        r.error("mask_token_id", "missing", "write the trained mask token id")
+    return ConfigView(
+        layer,
+        block,
+        mask,
+        ids,
+        cfg.get("num_target_layers"),
+        cfg.get("target_hidden_size", layer.get("hidden_size")),
+    )
+
+
+def _check_speculators_kind(cfg: dict[str, Any], r: CheckReport) -> dict[str, Any]:
+    """The model types; returns the decoder config (empty when missing)."""
     if cfg.get("speculators_model_type") != "dflash":
         r.error(
             "speculators_model_type", f"is {cfg.get('speculators_model_type')!r}", 'write "dflash"'
@@ -183,19 +202,25 @@ def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
             f"is {layer.get('model_type')!r}",
             'write "qwen3"',
         )
+    return layer
+
+
+def _check_speculators_proposal(cfg: dict[str, Any], block: Any, r: CheckReport) -> None:
+    """Algorithm, drafted tokens per step (= block_size - 1) and the verifier."""
     sc = _obj(cfg.get("speculators_config"))
-    methods = sc.get("proposal_methods") or [{}]
-    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
-    block = cfg.get("block_size")
+    methods = sc.get("proposal_methods")
+    first = methods[0] if isinstance(methods, list) and methods else {}
+    tokens = first.get("speculative_tokens") if isinstance(first, dict) else None
     if sc.get("algorithm") != "dflash":
         r.error("speculators_config.algorithm", f"is {sc.get('algorithm')!r}", 'write "dflash"')
     if block is None:
         r.error("block_size", "missing: speculators assumes 8", "write the trained block size")
-    elif tokens != block - 1:
+    elif not is_int(block) or tokens != block - 1:
+        fix = f"write block_size - 1 = {block - 1}" if is_int(block) else "write block_size - 1"
         r.error(
             "speculators_config.proposal_methods[0].speculative_tokens",
             f"is {tokens!r}; vLLM drafts this many tokens per step",
-            f"write block_size - 1 = {block - 1}",
+            fix,
         )
     verifier = _obj(sc.get("verifier"))
     if not verifier.get("name_or_path"):
@@ -204,36 +229,40 @@ def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
             "empty: `vllm serve DIR` cannot find the target",
             "re-export with --target, or serve with the long form",
         )
-    aux = cfg.get("aux_hidden_state_layer_ids")
-    ids = None
+
+
+def _aux_layer_ids(aux: Any, r: CheckReport) -> list[int] | None:
+    """hidden_states indices (layer id + 1) -> 0-based layer ids, or None when unusable."""
     if not aux:
         r.error("aux_hidden_state_layer_ids", "missing", "write the tapped layer ids + 1")
-    elif min(aux) < 1:
+        return None
+    if not isinstance(aux, list) or not all(is_int(i) for i in aux):
+        r.error("aux_hidden_state_layer_ids", f"is {aux!r}", "write a list of integers")
+        return None
+    if min(aux) < 1:
         r.error(
             "aux_hidden_state_layer_ids",
             f"{aux} has 0 (embedding output)",
             "ids are hidden_states indices: 0-based layer id + 1",
         )
-    else:
-        ids = [int(i) - 1 for i in aux]
+        return None
+    return [int(i) - 1 for i in aux]
+
+
+def _check_speculators_flags(cfg: dict[str, Any], layer: dict[str, Any], r: CheckReport) -> None:
+    """Full vocabulary, the anchor as bonus token, causal sliding layers, one window."""
     if cfg.get("draft_vocab_size") != layer.get("vocab_size"):
         r.error(
             "draft_vocab_size",
             f"{cfg.get('draft_vocab_size')} != vocab_size {layer.get('vocab_size')}",
             "write the full vocab size (no t2d/d2t)",
         )
-    if cfg.get("sample_from_anchor") is not False:
-        r.error(
-            "sample_from_anchor",
-            f"is {cfg.get('sample_from_anchor')!r}",
-            "write false: the anchor slot is the bonus token",
-        )
-    if cfg.get("sliding_window_non_causal") is not False:
-        r.error(
-            "sliding_window_non_causal",
-            f"is {cfg.get('sliding_window_non_causal')!r}",
-            "write false: sliding layers are causal inside the block",
-        )
+    for key, why in (
+        ("sample_from_anchor", "write false: the anchor slot is the bonus token"),
+        ("sliding_window_non_causal", "write false: sliding layers are causal inside the block"),
+    ):
+        if cfg.get(key) is not False:
+            r.error(key, f"is {cfg.get(key)!r}", why)
     for key in TOP_LEVEL_SLIDING_KEYS:
         if key in cfg and cfg[key] != layer.get(key):
             r.error(
@@ -241,21 +270,87 @@ def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
                 f"top level {cfg[key]!r} != transformer_layer_config {layer.get(key)!r}",
                 "make them equal (vLLM versions read different ones)",
             )
-    mask = cfg.get("mask_token_id")
-    if mask is None:
-        r.error("mask_token_id", "missing", "write the trained mask token id")
-    return ConfigView(
-        layer,
-        block,
-        mask,
-        ids,
-        cfg.get("num_target_layers"),
-        cfg.get("target_hidden_size", layer.get("hidden_size")),
-    )
+
+
+# ------------------------------------------------------------------------ numbers
+
+# Numeric fields of a drafter config: (kind, lowest, highest). The bounds are what a
+# drafter that works can hold; the upper ones are sanity limits against a corrupt or
+# hostile config (an import would otherwise allocate whatever it says).
+NUMBERS: dict[str, tuple[str, float, float]] = {
+    "hidden_size": ("int", 1, 2**16),
+    "intermediate_size": ("int", 1, 2**18),
+    "num_hidden_layers": ("int", 1, 64),
+    "num_attention_heads": ("int", 1, 1024),
+    "num_key_value_heads": ("int", 1, 1024),
+    "head_dim": ("int", 2, 1024),
+    "vocab_size": ("int", 1, 2**24),
+    "max_position_embeddings": ("int", 1, 2**24),
+    "sliding_window": ("int", 1, 2**24),
+    "rms_norm_eps": ("float", 1e-12, 0.5),
+    "rope_theta": ("float", 1.0, 1e12),
+}
+
+
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (JSON true would otherwise pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _bad_number(value: Any, kind: str, lo: float, hi: float) -> str | None:
+    """Why `value` cannot be this field, or None. NaN fails `lo <= x <= hi`."""
+    if kind == "int" and not is_int(value):
+        return f"is {value!r}, not an integer"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, int | float)):
+        return f"is {value!r}, not a number"
+    if not lo <= value <= hi:
+        return f"is {value!r}, outside [{lo:g}, {hi:g}]"
+    return None
+
+
+def check_numbers(v: ConfigView, r: CheckReport) -> None:
+    """Types and ranges of every number the drafter is built from; a missing field is
+    left to the layout checks (the importer fills defaults for some)."""
+    fields = {k: v.geometry.get(k) for k in NUMBERS}
+    flat, _ = _rope_theta_value(v.geometry)
+    fields["rope_theta"] = flat
+    for key, value in fields.items():
+        if value is None:
+            continue
+        why = _bad_number(value, *NUMBERS[key])
+        if why:
+            r.error(key, why, "write the value the drafter was trained with")
+    extra = {
+        "block_size": (v.block_size, 2, 256),
+        "num_target_layers": (v.num_target_layers, 1, 4096),
+        "target_hidden_size": (v.target_hidden_size, 1, 2**16),
+        "mask_token_id": (v.mask_token_id, 0, 2**31 - 1),
+    }
+    for key, (value, lo, hi) in extra.items():
+        if value is not None and (why := _bad_number(value, "int", lo, hi)):
+            r.error(key, why, "write the value the drafter was trained with")
+    ids = v.layer_ids
+    if ids is not None and not (isinstance(ids, list) and all(is_int(i) for i in ids)):
+        r.error("target_layer_ids", f"is {ids!r}", "write a list of 0-based layer ids")
+    vocab, mask = fields["vocab_size"], v.mask_token_id
+    if isinstance(vocab, int) and is_int(mask) and not 0 <= mask < vocab:
+        r.error(
+            "mask_token_id",
+            f"{mask} outside the vocab 0..{vocab - 1}",
+            "pick a token id of the target's vocabulary",
+        )
+
+
+def _rope_theta_value(g: dict[str, Any]) -> tuple[Any, Any]:
+    """The raw rope_theta values (flat, nested), unconverted."""
+    rp = g.get("rope_parameters")
+    nested = rp.get("rope_theta") if isinstance(rp, dict) else None
+    return g.get("rope_theta", nested), nested
 
 
 def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
     g = v.geometry
+    check_numbers(v, r)
     for key, breaks in REQUIRED_GEOMETRY.items():
         if g.get(key) is None:
             r.error(key, f"missing: {breaks}", f"write {key} explicitly")
@@ -267,8 +362,9 @@ def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
             f"is {g.get('tie_word_embeddings')!r}",
             "write false: the drafter has no lm_head of its own",
         )
-    flat, nested = rope_theta_fields(g)
-    if flat is not None and nested is not None and flat != nested:
+    flat, nested = _rope_theta_value(g)
+    numbers = all(isinstance(x, int | float) for x in (flat, nested))
+    if flat is not None and nested is not None and numbers and float(flat) != float(nested):
         r.error(
             "rope_theta",
             f"flat {flat} != rope_parameters.rope_theta {nested}",
@@ -293,7 +389,7 @@ def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
         r.error("block_size", f"is {v.block_size!r}", "write the trained block size (>= 2)")
     n_t = v.num_target_layers
     ids = v.layer_ids
-    if isinstance(ids, list) and ids:
+    if isinstance(ids, list) and ids and all(is_int(i) for i in ids):
         if len(set(ids)) != len(ids):
             r.error("target_layer_ids", f"{ids} repeats a layer", "list each tapped layer once")
         if isinstance(n_t, int) and any(not 0 <= i < n_t for i in ids):
@@ -302,16 +398,9 @@ def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
                 f"{ids} out of range for {n_t} target layers",
                 "ids are 0-based decoder layers (not hidden_states indices)",
             )
-    elif ids is not None:
+    elif ids == []:
         r.error("target_layer_ids", f"is {ids!r}", "write a non-empty list of layer ids")
-    vocab, mask = g.get("vocab_size"), v.mask_token_id
-    if isinstance(vocab, int) and isinstance(mask, int) and not 0 <= mask < vocab:
-        r.error(
-            "mask_token_id",
-            f"{mask} outside the vocab 0..{vocab - 1}",
-            "pick a token id of the target's vocabulary",
-        )
-    if cfg_dtype not in DTYPES:
+    if not isinstance(cfg_dtype, str) or cfg_dtype not in DTYPES:
         r.error("dtype", f"is {cfg_dtype!r}", f"write one of {sorted(DTYPES)}")
 
 
@@ -354,14 +443,14 @@ def check_target(v: ConfigView, t: Any, special: set[int], r: CheckReport) -> No
                 "export against the target the drafter was trained for",
             )
     ids = v.layer_ids if isinstance(v.layer_ids, list) else []
-    bad = [i for i in ids if not 0 <= i < t.num_hidden_layers]
+    bad = [i for i in ids if is_int(i) and not 0 <= i < t.num_hidden_layers]
     if bad:
         r.error(
             "target_layer_ids",
             f"{bad} do not exist in the target ({t.num_hidden_layers} layers)",
             "tap layers 0..L-1 of the target",
         )
-    if v.mask_token_id in special:
+    if is_int(v.mask_token_id) and v.mask_token_id in special:
         r.error(
             "mask_token_id",
             f"{v.mask_token_id} is the target's EOS/PAD token: every block would end generation",

@@ -28,7 +28,13 @@ import torch
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.card import hub_id, model_card, serve_commands
-from dflash_trainer.formats.check import DTYPES, CheckReport, check_export, read_config
+from dflash_trainer.formats.check import (
+    DTYPES,
+    CheckReport,
+    check_export,
+    check_import_numbers,
+    read_config,
+)
 from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, save_drafter_files
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
@@ -152,6 +158,7 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
         return load_drafter(p)
     cfg = read_config(p)
     where = str(p / "config.json")
+    _validate_import(p, cfg, target)
     meta: dict[str, Any] = {"source": {"format": fmt, "path": str(p), "config": cfg}}
     if fmt == "zlab":
         spec, notes = spec_from_zlab_config(cfg, where)
@@ -179,6 +186,18 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
     _check_state(spec, state, str(p))
     meta["import_warnings"] = notes
     return spec, state, meta
+
+
+def _validate_import(p: Path, cfg: dict[str, Any], target: str | None) -> None:
+    """Refuse a config no drafter can be built from (CheckReport findings as one error);
+    with --target, also one whose vocab/hidden/layers differ from that target's."""
+    t_cfg = target_info(target)[0] if target else None
+    report = check_import_numbers(p, cfg, t_cfg)
+    if not report.ok:
+        raise DFlashError(
+            f"{p / 'config.json'}: cannot import this drafter:\n"
+            + "\n".join(report.render().splitlines()[1:-1])
+        )
 
 
 # ----------------------------------------------------------------------------- export

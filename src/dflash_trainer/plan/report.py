@@ -12,24 +12,15 @@ import json
 import math
 from typing import Any
 
-from dflash_trainer.config import Config, ConfigError, load_config
+from dflash_trainer import config_cli
+from dflash_trainer.config import Config
 from dflash_trainer.plan.hardware import Hardware, get_hardware, hardware_names
 from dflash_trainer.plan.planner import Prediction, calibrate, data_stats, predict
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    """--config / --recipe / --set, shared with `dflash doctor`."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="YAML config file")
-    src.add_argument("--recipe", help="bundled recipe name (e.g. qwen3.6-27b)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set training.max_anchors=256 (repeatable)",
-    )
+    """--config / --recipe / overrides / --trust-remote-code, as every config command."""
+    config_cli.add_config_arguments(p)
 
 
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,9 +51,7 @@ def hardware_from_args(args: argparse.Namespace) -> Hardware:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    if not args.config and not args.recipe:
-        raise ConfigError("give --config FILE or --recipe NAME")
-    return load_config(recipe=args.recipe, config_file=args.config, overrides=args.overrides)
+    return config_cli.config_from_args(args)
 
 
 def default_gpus(placement: str) -> int:

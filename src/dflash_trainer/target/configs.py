@@ -8,6 +8,10 @@ exact hub id that is not a local path.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +104,71 @@ def target_source(tcfg: TargetConfig) -> tuple[str, str | None]:
     return str(src), tcfg.gguf_file
 
 
+# ---------------------------------------------------------------- remote code
+
+# Set only by the command line's --trust-remote-code (cli.main) or by a caller that
+# enters `remote_code_granted()` itself: `target.trust_remote_code: true` in a config
+# file, say the config.yaml of a run directory someone sent, is a request, not a grant.
+_GRANTED = False
+_ANNOUNCED: set[str] = set()
+
+
+@contextlib.contextmanager
+def remote_code_granted(granted: bool = True) -> Iterator[None]:
+    global _GRANTED
+    before, _GRANTED = _GRANTED, granted
+    try:
+        yield
+    finally:
+        _GRANTED = before
+
+
+def remote_code_files(name: str) -> str:
+    """What would run: the .py files of a local model directory, or the hub repo's code."""
+    p = Path(name)
+    if p.is_dir():
+        files = sorted(str(f.relative_to(p)) for f in p.rglob("*.py"))
+        return f"{p}: {', '.join(files) if files else 'no .py files'}"
+    return f"the Python files of the hub repository {name!r}"
+
+
+def allow_remote_code(tcfg: TargetConfig) -> bool:
+    """The trust_remote_code value to pass to transformers for this target.
+
+    False unless the config asks for it; when it does, refused without the command-line
+    grant, and announced (what will run) before anything is loaded with it.
+    """
+    if not tcfg.trust_remote_code:
+        return False
+    name, _ = target_source(tcfg)
+    if not _GRANTED:
+        raise DFlashError(
+            f"target.trust_remote_code is true for {tcfg.name_or_path!r}: that would run "
+            f"{remote_code_files(name)}. A config file cannot allow that on its own; pass "
+            "--trust-remote-code on the command line if you trust this code, or set "
+            "target.trust_remote_code=false"
+        )
+    if name not in _ANNOUNCED:
+        _ANNOUNCED.add(name)
+        rev = f" at revision {tcfg.revision}" if tcfg.revision else ""
+        print(f"--trust-remote-code: running {remote_code_files(name)}{rev}", file=sys.stderr)
+    return True
+
+
+# ---------------------------------------------------------------- config
+
+
 def load_target_config(tcfg: TargetConfig) -> Any:
     """The target's (text) HF config, with `hf_config_overrides` applied; no weights loaded."""
     from transformers import AutoConfig
 
+    trust = allow_remote_code(tcfg)
     name, gguf = target_source(tcfg)
     if name in KNOWN_CONFIGS and not Path(name).exists():
         cfg = config_from_dict(KNOWN_CONFIGS[name])
     else:
         try:
-            kw: dict[str, Any] = {"trust_remote_code": tcfg.trust_remote_code}
+            kw: dict[str, Any] = {"trust_remote_code": trust}
             if gguf:
                 kw["gguf_file"] = gguf
             if tcfg.revision:
@@ -122,15 +181,58 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 f"or one of the bundled hub ids {sorted(KNOWN_CONFIGS)}"
             ) from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    for key, value in tcfg.hf_config_overrides.items():
-        if not hasattr(text, key):
-            raise DFlashError(
-                f"target.hf_config_overrides.{key}: the target config "
-                f"({type(text).__name__}) has no field {key!r}"
-            )
+    apply_hf_overrides(text, tcfg.hf_config_overrides)
+    return text
+
+
+def _is_size(key: str) -> bool:
+    """An integer HF config field that counts or sizes something (so at least 1)."""
+    return key.startswith("num_") or key.endswith(("_size", "_dim", "max_position_embeddings"))
+
+
+def check_hf_override(text: Any, key: str, value: Any) -> Any:
+    """One override against the target's config class: the field exists and the value
+    has the type (and, for sizes and counts, the sign) of what it replaces. Returns the
+    value to set (YAML 1.1 reads `1e-6` as a string: a float field takes it as a number)."""
+    where = f"target.hf_config_overrides.{key}"
+    cls = type(text).__name__
+    if not hasattr(text, key):
+        raise DFlashError(f"{where}: the target config ({cls}) has no field {key!r}")
+    current = getattr(text, key)
+    if current is None or value is None:
+        return value
+    if isinstance(current, float) and isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(current, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(current, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(current, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    elif isinstance(current, str | list | dict):
+        ok = isinstance(value, type(current))
+    else:
+        ok = True
+    if not ok:
+        raise DFlashError(
+            f"{where}: {cls}.{key} is {type(current).__name__} ({current!r}); got {value!r}"
+        )
+    if isinstance(current, int) and not isinstance(current, bool) and _is_size(key) and value < 1:
+        raise DFlashError(
+            f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}"
+        )
+    return value
+
+
+def apply_hf_overrides(text: Any, overrides: dict[str, Any]) -> None:
+    """Check every override against the config class, then set them (and shorten
+    layer_types to a smaller num_hidden_layers)."""
+    checked = {key: check_hf_override(text, key, value) for key, value in overrides.items()}
+    for key, value in checked.items():
         setattr(text, key, value)
-    if "num_hidden_layers" in tcfg.hf_config_overrides and hasattr(text, "layer_types"):
+    if "num_hidden_layers" in overrides and hasattr(text, "layer_types"):
         lt = getattr(text, "layer_types", None)
         if lt is not None and len(lt) != text.num_hidden_layers:
             text.layer_types = list(lt)[: text.num_hidden_layers]
-    return text

@@ -55,21 +55,27 @@ def load_target_model(
         device = "cpu"
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.target.configs import load_target_config, target_source
+    from dflash_trainer.target.configs import (
+        allow_remote_code,
+        load_target_config,
+        target_source,
+    )
 
     dtype = _DTYPES[tcfg.dtype]
-    if tcfg.random_init:
+    trust = allow_remote_code(tcfg)
+    cfg: Any = None
+    if tcfg.random_init or tcfg.hf_config_overrides:
+        # The overrides are checked against the config class before any weight exists.
         cfg = load_target_config(tcfg)
+    if tcfg.random_init:
         torch.manual_seed(0)
         with torch.device(device):
-            model: Any = AutoModelForCausalLM.from_config(
-                cfg, dtype=dtype, trust_remote_code=tcfg.trust_remote_code
-            )
+            model: Any = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=trust)
     else:
         name, gguf = target_source(tcfg)
         kw: dict[str, Any] = {
             "dtype": dtype,
-            "trust_remote_code": tcfg.trust_remote_code,
+            "trust_remote_code": trust,
             "attn_implementation": tcfg.attn_implementation,
         }
         if gguf:
@@ -82,8 +88,8 @@ def load_target_model(
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
             ) from e
-        for key, value in tcfg.hf_config_overrides.items():
-            setattr(model.config, key, value)
+        for key in tcfg.hf_config_overrides:  # the values checked (and typed) above
+            setattr(model.config, key, getattr(cfg, key))
         model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -10,17 +10,12 @@ import sys
 from pathlib import Path
 
 from dflash_trainer.config import Config, ConfigError, load_config
+from dflash_trainer.config_cli import add_config_arguments
 from dflash_trainer.errors import DFlashError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--recipe", help="a bundled recipe, e.g. smollm2-135m-demo")
-    src.add_argument("--config", help="a YAML config file")
-    src.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint"
-    )
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. training.lr=3e-4")
+    add_config_arguments(p, resume=True)
     p.add_argument(
         "--dry-run",
         action="store_true",
