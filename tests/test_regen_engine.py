@@ -44,7 +44,9 @@ def _staggered_stops(model: Any, prompts: list[list[int]], new: int) -> list[int
 
 
 def _hf(model: Any, prompts: list[list[int]], new: int, stops: list[int]) -> list[list[int]]:
-    outs = per_prompt_generate(model, prompts, GenerationSettings("m", max_new_tokens=new), stops, 0)
+    outs = per_prompt_generate(
+        model, prompts, GenerationSettings("m", max_new_tokens=new), stops, 0
+    )
     return [o[: cut_at_stop(o, stops)[2]] for o in outs]
 
 
@@ -101,7 +103,7 @@ def test_sampling_is_reproducible_and_independent_of_the_batch() -> None:
 
 def test_keyed_draws_follow_the_distribution_and_its_nucleus() -> None:
     u = keyed_uniform(torch.arange(4), torch.tensor([0, 1, 2, 3]), 50_000)
-    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert u.min() > 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1])
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20_000, 4)
@@ -113,7 +115,9 @@ def test_keyed_draws_follow_the_distribution_and_its_nucleus() -> None:
     assert set(nucleus.tolist()) == {0, 1}
     share0 = (nucleus == 0).float().mean().item()
     assert abs(share0 - 0.5 / 0.8) < 0.02
-    assert torch.equal(pick_tokens(logits[:5], 0.0, 1.0, keys[:5], steps[:5]), torch.zeros(5).long())
+    assert torch.equal(
+        pick_tokens(logits[:5], 0.0, 1.0, keys[:5], steps[:5]), torch.zeros(5).long()
+    )
 
 
 def test_targets_without_a_static_cache_are_refused_with_the_reason() -> None:
@@ -147,8 +151,7 @@ def test_smollm2_greedy_answers_equal_hf_generate() -> None:
     questions = [
         "What is 2+2?",
         "Write a haiku about the sea.",
-        "Explain in detail how a hash table handles collisions, with an example in Python. "
-        * 3,
+        "Explain in detail how a hash table handles collisions, with an example in Python. " * 3,
         "Hi",
         "Name three prime numbers.",
     ]

@@ -84,21 +84,19 @@ def test_bf16_answers_differ_from_hf_generate_only_at_numerical_ties() -> None:
     engine = StaticBatchEngine(model, settings, stops, pad, rows=16).generate(prompts)
     differ = ties = 0
     for p, a, b in zip(prompts, engine, hf):
-        a, b = cut_at_stop(a, stops)[0], cut_at_stop(b, stops)[0]
+        a, b = a[: cut_at_stop(a, stops)[2]], b[: cut_at_stop(b, stops)[2]]  # with the stop id
         if a == b:
             continue
         differ += 1
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if k == min(len(a), len(b)):  # one stopped where the other went on: a stop-id tie
-            nxt_a = a[k] if k < len(a) else stops[0]
-            nxt_b = b[k] if k < len(b) else stops[0]
-        else:
-            nxt_a, nxt_b = a[k], b[k]
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        nxt_a, nxt_b = a[k], b[k]
         ids = torch.tensor([p + a[:k]], device="cuda")
         with torch.inference_mode():
             logits = ref32(ids).logits[0, -1].float()
         gap = abs(logits[nxt_a] - logits[nxt_b]).item()
         scale = logits.abs().max().item()
         ties += gap <= 2 * 2**-8 * scale  # two bf16 roundings of the largest logit
-    print(f"\nbf16 engine vs HF generate: {differ} of {len(prompts)} answers differ, {ties} at ties")
+    print(
+        f"\nbf16 engine vs HF generate: {differ} of {len(prompts)} answers differ, {ties} at ties"
+    )
     assert ties == differ

@@ -211,9 +211,11 @@ class StaticBatchEngine:
 
     def _ensure(self, length: int, wanted: int) -> int:
         """Build (or keep) a shape for `wanted` prompts of this cache length; its rows."""
-        if self._shape is not None and self._shape[1] == length:
-            if self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped:
-                return self._shape[0]
+        enough = self._shape is not None and (
+            self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped
+        )
+        if enough and self._shape is not None and self._shape[1] == length:
+            return self._shape[0]
         self._release()
         rows = self._rows_for(length, wanted)
         self._memory_capped = rows < min(self.max_rows, wanted)
@@ -258,7 +260,11 @@ class StaticBatchEngine:
 
     def _decode(self) -> torch.Tensor:
         """One step of every row (the static shape the graph replays)."""
-        self.cache.rows, self.cache.positions, self.cache.fresh = self.row_ix, self.pos[:, None], False
+        self.cache.rows, self.cache.positions, self.cache.fresh = (
+            self.row_ix,
+            self.pos[:, None],
+            False,
+        )
         mask = (self.cols[None, :] <= self.pos[:, None])[:, None, :]  # [B, 1, L]
         logits = self._forward(self.ids, self.pos[:, None], mask)
         tok = self._pick(logits, self.keys, self.pos)
