@@ -117,7 +117,9 @@ def filter_reason(
         return "too_long"
     if any(c in text for c in control):
         return "control_token"
-    printable = sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text)
+    # U+FFFD stands for bytes that did not decode: a token split inside a character.
+    printable = sum((ch.isprintable() or ch in "\n\t") and ch != "\ufffd" for ch in text)
+    printable /= len(text)
     letters = sum(ch.isalpha() for ch in text) / len(text)
     if printable < 0.95 or letters < 0.3:
         return "non_text"
