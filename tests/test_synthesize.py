@@ -147,7 +147,9 @@ def test_synthesized_prompts_are_counted_and_read_by_the_regenerator(
         assert filter_reason(r["messages"][-1]["content"], "stop", _settings(), []) is None
     convs = list(read_records(out, require_assistant=False))
     assert all(isinstance(c, Conversation) for c in convs) and len(convs) == len(kept)
-    assert [c.messages[-1]["content"] for c in convs] == [r["messages"][-1]["content"] for r in kept]
+    assert [c.messages[-1]["content"] for c in convs] == [
+        r["messages"][-1]["content"] for r in kept
+    ]
 
 
 def test_items_do_not_depend_on_batching_or_backend(tmp_path: Path, model: Any, tok: Any) -> None:
@@ -178,7 +180,7 @@ def test_resume_refuses_other_settings_and_drops_a_partial_line(
     out = tmp_path / "s.jsonl"
     synthesize(model, tok, out, 10, _settings(), progress=False)
     whole = (out.read_text(), (tmp_path / "s.jsonl.dropped.jsonl").read_text())
-    with pytest.raises(DFlashError, match="temperature=1.0.*temperature=0.9"):
+    with pytest.raises(DFlashError, match=r"temperature=1\.0.*temperature=0\.9"):
         synthesize(model, tok, out, 10, _settings(temperature=0.9), progress=False)
     lines = out.read_text().splitlines(keepends=True)
     out.write_text("".join(lines[:-1]) + lines[-1][:25])  # killed while writing the last one
@@ -244,3 +246,17 @@ def test_a_killed_job_resumes_to_the_uninterrupted_set(
         a = (tmp_path / f"killed.jsonl{suffix}").read_text().splitlines()
         b = (tmp_path / f"clean.jsonl{suffix}").read_text().splitlines()
         assert a == b  # same records, same order: no duplicate, nothing lost
+
+
+def test_resume_dedupes_against_prompts_kept_by_an_earlier_run(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    first = tmp_path / "first.jsonl"
+    synthesize(model, tok, first, 8, _settings(), progress=False)
+    rec = _lines(first)[0]  # item j's prompt T, as an earlier run (another id) had kept it
+    out = tmp_path / "again.jsonl"
+    out.write_text(json.dumps({**rec, "id": "synth-0009999"}) + "\n")
+    synthesize(model, tok, out, 8, _settings(), progress=False)
+    drops = {r["id"]: r["reason"] for r in _lines(tmp_path / "again.jsonl.dropped.jsonl")}
+    assert drops[rec["id"]] == "duplicate"
+    assert rec["id"] not in {r["id"] for r in _lines(out)}
