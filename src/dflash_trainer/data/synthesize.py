@@ -118,8 +118,8 @@ def filter_reason(
     if any(c in text for c in control):
         return "control_token"
     # U+FFFD stands for bytes that did not decode: a token split inside a character.
-    printable = sum((ch.isprintable() or ch in "\n\t") and ch != "\ufffd" for ch in text)
-    printable /= len(text)
+    ok = sum((ch.isprintable() or ch in "\n\t") and ch != "\ufffd" for ch in text)
+    printable = ok / len(text)
     letters = sum(ch.isalpha() for ch in text) / len(text)
     if printable < 0.95 or letters < 0.3:
         return "non_text"
