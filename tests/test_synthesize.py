@@ -260,3 +260,25 @@ def test_resume_dedupes_against_prompts_kept_by_an_earlier_run(
     drops = {r["id"]: r["reason"] for r in _lines(tmp_path / "again.jsonl.dropped.jsonl")}
     assert drops[rec["id"]] == "duplicate"
     assert rec["id"] not in {r["id"] for r in _lines(out)}
+
+
+def test_cli_synthesizes_resumes_and_reports(
+    tmp_path: Path, tok: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash_trainer.cli import main
+
+    model_dir = tmp_path / "model"
+    tiny_llama(len(tok), eos_token_id=[2, *range(300, 340)]).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = tmp_path / "p.jsonl"
+    argv = ["data", "synthesize", "--model", str(model_dir), "--out", str(out), "--device", "cpu"]
+    argv += ["--max-new-tokens", "6", "--topics", "math, code", "--no-progress"]
+    assert main([*argv, "--n", "4"]) == 0
+    assert "of 4 prompts (0 decided by an earlier run)" in capsys.readouterr().out
+    assert main([*argv, "--n", "6"]) == 0
+    assert "of 6 prompts (4 decided by an earlier run)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "p.jsonl.report.json").read_text())
+    assert report["kept"] + sum(report["dropped"].values()) == 6
+    assert report["settings"]["topics"] == ["math", "code"]
+    assert main([*argv, "--n", "6", "--near-duplicate", "0"]) == 2
+    assert "--near-duplicate 0" in capsys.readouterr().err
