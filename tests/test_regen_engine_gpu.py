@@ -73,8 +73,8 @@ def test_smollm2_graphs_equal_eager_static_in_bf16() -> None:
 
 
 def test_bf16_answers_differ_from_hf_generate_only_at_numerical_ties() -> None:
-    """Where a bf16 engine answer leaves HF's, the fp32 model must rate both tokens within a
-    bf16 rounding of each other at the first differing position."""
+    """Where a bf16 engine answer leaves HF's, the fp32 model must rank both tokens in its top
+    3, within a few percent of the largest logit of each other, at the first difference."""
     tok, model, chat, stops = _smollm2("bfloat16")
     ref32 = _smollm2("float32")[1]
     prompts = [chat.prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS * 3]
@@ -83,6 +83,7 @@ def test_bf16_answers_differ_from_hf_generate_only_at_numerical_ties() -> None:
     hf = HFBatchGenerator(model, settings, stops, pad, 16).generate(prompts)
     engine = StaticBatchEngine(model, settings, stops, pad, rows=16).generate(prompts)
     differ = ties = 0
+    gaps: list[float] = []
     for p, a, b in zip(prompts, engine, hf):
         a, b = a[: cut_at_stop(a, stops)[2]], b[: cut_at_stop(b, stops)[2]]  # with the stop id
         if a == b:
@@ -94,9 +95,14 @@ def test_bf16_answers_differ_from_hf_generate_only_at_numerical_ties() -> None:
         with torch.inference_mode():
             logits = ref32(ids).logits[0, -1].float()
         gap = abs(logits[nxt_a] - logits[nxt_b]).item()
-        scale = logits.abs().max().item()
-        ties += gap <= 2 * 2**-8 * scale  # two bf16 roundings of the largest logit
+        top3 = set(logits.topk(3).indices.tolist())
+        # bf16 noise after ~30 layers is a few percent of the largest logit; a wrong cache or
+        # mask shows as a token far down the fp32 ranking or a gap of many units.
+        tie = {nxt_a, nxt_b} <= top3 and gap <= 0.04 * logits.abs().max().item()
+        ties += tie
+        gaps.append(round(gap, 3))
     print(
-        f"\nbf16 engine vs HF generate: {differ} of {len(prompts)} answers differ, {ties} at ties"
+        f"\nbf16 engine vs HF generate: {differ} of {len(prompts)} answers differ, {ties} at "
+        f"ties; fp32 logit gaps at the first difference: {gaps}"
     )
     assert ties == differ
