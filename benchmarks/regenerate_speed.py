@@ -87,7 +87,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     prompts = first_turn_prompts(args.input, chat, args.max_prompts, args.max_prompt_tokens)
     settings = GenerationSettings(args.model, 0.0, 1.0, args.max_new_tokens)
 
-    engine = StaticBatchEngine(model, settings, stops, pad, rows=args.batch_size)
+    engine = StaticBatchEngine(
+        model,
+        settings,
+        stops,
+        pad,
+        rows=args.batch_size,
+        refill_rows=args.refill_rows,
+        prefill_tokens=args.prefill_tokens,
+    )
     _sync(device)
     t0 = time.perf_counter()
     engine_outs = engine.generate(prompts)
@@ -117,6 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "hf_prompts": len(subset),
         "hf_subset": f"prompts[::{stride}] ({len(subset)} of {len(prompts)})",
         "engine_batch_rows": args.batch_size,
+        "engine_refill_rows": args.refill_rows or "default (rows/8 on GPU, 1 on CPU)",
         "hf_batch_size": args.hf_batch_size,
         "engine_tokens": engine_tokens,
         "engine_seconds": round(engine_s, 3),
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=256, help="engine rows")
     p.add_argument("--hf-batch-size", type=int, default=256)
+    p.add_argument("--refill-rows", type=int, help="engine: refill when this many rows are free")
+    p.add_argument("--prefill-tokens", type=int, help="engine: tokens per prefill forward")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--out", type=Path, required=True)

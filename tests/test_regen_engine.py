@@ -8,6 +8,7 @@ the captured graphs against this eager path.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +162,43 @@ def test_smollm2_greedy_answers_equal_hf_generate() -> None:
     engine = StaticBatchEngine(model, GenerationSettings("s", max_new_tokens=16), stops, 0, rows=2)
     assert engine.generate(prompts) == ref
     assert any(len(r) < 16 for r in ref)  # at least one answer stopped by itself
+
+
+def test_the_speed_benchmark_runs_and_writes_its_keys(tmp_path: Path) -> None:
+    import importlib.util
+    import json
+
+    from test_data_support import tiny_tokenizer, write_jsonl
+
+    spec = importlib.util.spec_from_file_location(
+        "regenerate_speed", Path(__file__).parents[1] / "benchmarks" / "regenerate_speed.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = tiny_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_llama(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": f"tell me {i} " * i} for i in range(1, 9)]
+    )
+    out = tmp_path / "speed.json"
+    argv = [
+        "--model",
+        str(model_dir),
+        "--input",
+        str(prompts),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    assert (
+        bench.main([*argv, "--max-prompts", "8", "--max-new-tokens", "4", "--hf-prompts", "3"]) == 0
+    )
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 8 and r["new_tokens"] == 4 and r["hf_prompts"] == 3
+    assert r["engine_tokens"] == 8 * 4 and r["hf_tokens"] == 3 * 4  # no stop: all length
+    assert r["greedy_identical_share"] == 1.0 and r["hf_subset"] == "prompts[::3] (3 of 8)"
+    assert r["engine_tokens_per_s"] > 0 and r["hf_batched_tokens_per_s"] > 0 and r["hardware"]
