@@ -8,6 +8,7 @@ the captured graphs against this eager path.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +45,9 @@ def _staggered_stops(model: Any, prompts: list[list[int]], new: int) -> list[int
 
 
 def _hf(model: Any, prompts: list[list[int]], new: int, stops: list[int]) -> list[list[int]]:
-    outs = per_prompt_generate(model, prompts, GenerationSettings("m", max_new_tokens=new), stops, 0)
+    outs = per_prompt_generate(
+        model, prompts, GenerationSettings("m", max_new_tokens=new), stops, 0
+    )
     return [o[: cut_at_stop(o, stops)[2]] for o in outs]
 
 
@@ -101,7 +104,7 @@ def test_sampling_is_reproducible_and_independent_of_the_batch() -> None:
 
 def test_keyed_draws_follow_the_distribution_and_its_nucleus() -> None:
     u = keyed_uniform(torch.arange(4), torch.tensor([0, 1, 2, 3]), 50_000)
-    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert u.min() > 0 and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert not torch.equal(u[0], u[1])
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20_000, 4)
@@ -113,7 +116,9 @@ def test_keyed_draws_follow_the_distribution_and_its_nucleus() -> None:
     assert set(nucleus.tolist()) == {0, 1}
     share0 = (nucleus == 0).float().mean().item()
     assert abs(share0 - 0.5 / 0.8) < 0.02
-    assert torch.equal(pick_tokens(logits[:5], 0.0, 1.0, keys[:5], steps[:5]), torch.zeros(5).long())
+    assert torch.equal(
+        pick_tokens(logits[:5], 0.0, 1.0, keys[:5], steps[:5]), torch.zeros(5).long()
+    )
 
 
 def test_targets_without_a_static_cache_are_refused_with_the_reason() -> None:
@@ -147,8 +152,7 @@ def test_smollm2_greedy_answers_equal_hf_generate() -> None:
     questions = [
         "What is 2+2?",
         "Write a haiku about the sea.",
-        "Explain in detail how a hash table handles collisions, with an example in Python. "
-        * 3,
+        "Explain in detail how a hash table handles collisions, with an example in Python. " * 3,
         "Hi",
         "Name three prime numbers.",
     ]
@@ -158,3 +162,43 @@ def test_smollm2_greedy_answers_equal_hf_generate() -> None:
     engine = StaticBatchEngine(model, GenerationSettings("s", max_new_tokens=16), stops, 0, rows=2)
     assert engine.generate(prompts) == ref
     assert any(len(r) < 16 for r in ref)  # at least one answer stopped by itself
+
+
+def test_the_speed_benchmark_runs_and_writes_its_keys(tmp_path: Path) -> None:
+    import importlib.util
+    import json
+
+    from test_data_support import tiny_tokenizer, write_jsonl
+
+    spec = importlib.util.spec_from_file_location(
+        "regenerate_speed", Path(__file__).parents[1] / "benchmarks" / "regenerate_speed.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = tiny_tokenizer()
+    model_dir = tmp_path / "model"
+    tiny_llama(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    prompts = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": f"tell me {i} " * i} for i in range(1, 9)]
+    )
+    out = tmp_path / "speed.json"
+    argv = [
+        "--model",
+        str(model_dir),
+        "--input",
+        str(prompts),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    assert (
+        bench.main([*argv, "--max-prompts", "8", "--max-new-tokens", "4", "--hf-prompts", "3"]) == 0
+    )
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 8 and r["new_tokens"] == 4 and r["hf_prompts"] == 3
+    assert r["engine_tokens"] == 8 * 4 and r["hf_tokens"] == 3 * 4  # no stop: all length
+    assert r["greedy_identical_share"] == 1.0 and r["hf_subset"] == "prompts[::3] (3 of 8)"
+    assert r["engine_tokens_per_s"] > 0 and r["hf_batched_tokens_per_s"] > 0 and r["hardware"]

@@ -1,4 +1,4 @@
-"""`dflash data prepare | regenerate | prompts | stats`."""
+"""`dflash data prepare | regenerate | prompts | synthesize | stats`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
@@ -15,7 +16,9 @@ _THINKING = {"on": True, "off": False, "default": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,prompts,stats}")
+    sub = parser.add_subparsers(
+        dest="data_command", metavar="{prepare,regenerate,prompts,synthesize,stats}"
+    )
 
     p = sub.add_parser("prepare", help="conversations -> chat template + masks -> shards")
     p.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
@@ -74,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true")
 
     prompts_cli.add_parser(sub)
+    _add_synthesize(sub)
 
     s = sub.add_parser("stats", help="statistics of a prepared directory or a prompts file")
     s.add_argument("path", type=Path)
@@ -95,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         return _regenerate(args)
     if command == "prompts":
         return prompts_cli.run(args)
+    if command == "synthesize":
+        return _synthesize(args)
     return _stats(args)
 
 
@@ -200,6 +206,58 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )
+    return 0
+
+
+def _add_synthesize(sub: Any) -> None:
+    y = sub.add_parser("synthesize", help="user prompts written by the target itself")
+    y.add_argument("--model", default="asset:smollm2-135m-instruct", help="the target")
+    y.add_argument("--tokenizer", help="defaults to --model")
+    y.add_argument("--out", required=True, type=Path, help="JSONL of kept prompts (resumable)")
+    y.add_argument("--n", type=int, required=True, help="prompts to sample (items 0..N-1)")
+    y.add_argument("--system", help="system prompt (default: the template's own)")
+    y.add_argument("--topics", help="comma-separated topic hints, e.g. math,code,chat,writing")
+    y.add_argument("--temperature", type=float, default=1.0)
+    y.add_argument("--top-p", type=float, default=1.0)
+    y.add_argument("--max-new-tokens", type=int, default=256)
+    y.add_argument("--min-chars", type=int, default=12)
+    y.add_argument("--max-chars", type=int, default=4000)
+    y.add_argument("--near-duplicate", type=float, default=0.7, help="word-trigram Jaccard")
+    y.add_argument("--thinking", choices=sorted(_THINKING), default="default")
+    y.add_argument("--batch-size", type=int, default=64, help="engine rows")
+    y.add_argument("--backend", choices=["static", "hf"], default="static")
+    y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--no-progress", action="store_true")
+
+
+def _synthesize(args: argparse.Namespace) -> int:
+    from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
+    from dflash_trainer.data.synthesize import SynthSettings, synthesize
+
+    topics = tuple(t.strip() for t in (args.topics or "").split(",") if t.strip())
+    settings = SynthSettings(
+        model=args.model,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        system=args.system,
+        topics=topics,
+        enable_thinking=_THINKING[args.thinking],
+        min_chars=args.min_chars,
+        max_chars=args.max_chars,
+        near_duplicate=args.near_duplicate,
+        backend=args.backend,
+    )
+    settings.check()
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    model = load_causal_lm(args.model, _resolve_device(args.device), args.dtype)
+    report = synthesize(
+        model, tokenizer, args.out, args.n, settings, args.batch_size, progress=not args.no_progress
+    )
+    print(f"{args.out}: {report.format()} (counts in {args.out}.report.json)")
     return 0
 
 

@@ -109,8 +109,10 @@ def _kv_bytes_per_position(model: Any) -> int:
 @dataclass
 class EngineStats:
     decode_steps: int = 0
+    row_steps: int = 0
+    """Rows stepped in all (rows x steps)."""
     row_steps_busy: int = 0
-    """Decode rows that held a live prompt (utilisation = row_steps_busy / (steps x rows))."""
+    """Of those, rows that held a live prompt: the utilisation is their share."""
     prefills: int = 0
     builds: int = 0
     shapes: list[tuple[int, int]] = field(default_factory=list)
@@ -209,9 +211,11 @@ class StaticBatchEngine:
 
     def _ensure(self, length: int, wanted: int) -> int:
         """Build (or keep) a shape for `wanted` prompts of this cache length; its rows."""
-        if self._shape is not None and self._shape[1] == length:
-            if self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped:
-                return self._shape[0]
+        enough = self._shape is not None and (
+            self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped
+        )
+        if enough and self._shape is not None and self._shape[1] == length:
+            return self._shape[0]
         self._release()
         rows = self._rows_for(length, wanted)
         self._memory_capped = rows < min(self.max_rows, wanted)
@@ -341,6 +345,7 @@ class StaticBatchEngine:
             assert self._replay is not None
             tok = self._replay().tolist()
             self.stats.decode_steps += 1
+            self.stats.row_steps += rows
             self.stats.row_steps_busy += len(live)
             for slot, i in list(live.items()):
                 outs[i].append(tok[slot])

@@ -25,8 +25,8 @@ Output: JSON Lines in the OpenAI messages format, one record per conversation:
 Each record is written with one write, flushed and fsynced. Resume: a restarted job reads the
 output, drops a partially written last line (a crash mid-write), refuses settings that differ
 from those recorded (a file must not mix two distributions), and skips the ids already done.
-Sampling is seeded once per job, so a resumed job is valid but not bit-identical to an
-uninterrupted one.
+Sampling is seeded once per job (HF) or per call and prompt index (static engine), so a
+resumed job is valid but not bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,176 @@
+"""Regeneration speed: the static batch engine against today's HF batched path, one run.
+
+Same model, same first-turn prompts (ShareGPT by default, or a prompts JSONL written by
+benchmarks/sharegpt_prompts.py), same settings (greedy), one process. Useful tokens only: up
+to and including the stop token. The engine leg answers every prompt; the HF leg, which is
+slower, answers a strided subset (every k-th prompt, named in the JSON) so the script stays
+within a few minutes on one GPU, and the engine's answers to that subset are compared with
+HF's token for token (`greedy_identical_share`).
+
+    python benchmarks/regenerate_speed.py --out benchmarks/results/regenerate_speed.json
+    python benchmarks/regenerate_speed.py --device cpu --max-prompts 8 --max-new-tokens 8 \\
+        --out /tmp/speed.json      # a tiny check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_trainer.data.engine import StaticBatchEngine
+from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
+from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.regenerate import (
+    GenerationSettings,
+    HFBatchGenerator,
+    cut_at_stop,
+    stop_ids,
+)
+from dflash_trainer.data.template import ChatTemplate
+
+
+def first_turn_prompts(source: str, chat: ChatTemplate, n: int, max_tokens: int) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    records = read_records(source, require_assistant=False)
+    for c in itertools.islice((c for c in records if isinstance(c, Conversation)), 20 * n):
+        first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
+        ids = chat.prompt_ids(c.messages[: first_user + 1])
+        if len(ids) <= max_tokens:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_hf(
+    gen: HFBatchGenerator, prompts: list[list[int]], batch: int, device: torch.device
+) -> tuple[list[list[int]], float]:
+    """Answers in the prompts' order and seconds, batched shortest first as regenerate does."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs: list[list[int]] = [[] for _ in prompts]
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(order), batch):
+        chunk = order[i : i + batch]
+        for j, o in zip(chunk, gen.generate([prompts[j] for j in chunk])):
+            outs[j] = o
+    _sync(device)
+    return outs, time.perf_counter() - t0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    tok = load_tokenizer(args.model)
+    model = load_causal_lm(args.model, args.device, args.dtype)
+    device = next(model.parameters()).device
+    chat = ChatTemplate.probe(tok)
+    stops = stop_ids(tok, chat, model)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    prompts = first_turn_prompts(args.input, chat, args.max_prompts, args.max_prompt_tokens)
+    settings = GenerationSettings(args.model, 0.0, 1.0, args.max_new_tokens)
+
+    engine = StaticBatchEngine(
+        model,
+        settings,
+        stops,
+        pad,
+        rows=args.batch_size,
+        refill_rows=args.refill_rows,
+        prefill_tokens=args.prefill_tokens,
+    )
+    _sync(device)
+    t0 = time.perf_counter()
+    engine_outs = engine.generate(prompts)
+    _sync(device)
+    engine_s = time.perf_counter() - t0
+    engine_tokens = sum(cut_at_stop(o, stops)[2] for o in engine_outs)
+
+    stride = max(1, -(-len(prompts) // args.hf_prompts))
+    subset = list(range(0, len(prompts), stride))
+    hf = HFBatchGenerator(model, settings, stops, pad, args.hf_batch_size)
+    hf.generate([prompts[0]])  # warm-up: kernels, allocator
+    hf_outs, hf_s = run_hf(hf, [prompts[i] for i in subset], args.hf_batch_size, device)
+    hf_tokens = sum(cut_at_stop(o, stops)[2] for o in hf_outs)
+    same = sum(
+        cut_at_stop(engine_outs[i], stops)[0] == cut_at_stop(o, stops)[0]
+        for i, o in zip(subset, hf_outs)
+    )
+    st = engine.stats
+    return {
+        "engine_tokens_per_s": round(engine_tokens / engine_s, 1),
+        "hf_batched_tokens_per_s": round(hf_tokens / hf_s, 1),
+        "speedup": round((engine_tokens / engine_s) / (hf_tokens / hf_s), 2),
+        "prompts": len(prompts),
+        "new_tokens": args.max_new_tokens,
+        "greedy_identical_share": round(same / len(subset), 4),
+        "greedy_identical": same,
+        "hf_prompts": len(subset),
+        "hf_subset": f"prompts[::{stride}] ({len(subset)} of {len(prompts)})",
+        "engine_batch_rows": args.batch_size,
+        "engine_refill_rows": args.refill_rows or "default (rows/8 on GPU, 1 on CPU)",
+        "hf_batch_size": args.hf_batch_size,
+        "engine_tokens": engine_tokens,
+        "engine_seconds": round(engine_s, 3),
+        "engine_seconds_note": "includes every cache build and CUDA-graph capture",
+        "hf_tokens": hf_tokens,
+        "hf_seconds": round(hf_s, 3),
+        "engine_decode_steps": st.decode_steps,
+        "engine_prefills": st.prefills,
+        "engine_shapes_rows_x_cache": st.shapes,
+        "engine_graphs": engine.graphs,
+        "engine_row_utilisation": round(st.row_steps_busy / max(1, st.row_steps), 3),
+        "hardware": _hardware(device),
+        "device": str(device),
+        "dtype": str(model.dtype),
+        "model": args.model,
+        "input": args.input,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="asset:smollm2-135m-instruct")
+    p.add_argument("--input", default="asset:sharegpt", help="conversations or a prompts JSONL")
+    p.add_argument("--max-prompts", type=int, default=3000)
+    p.add_argument("--hf-prompts", type=int, default=384, help="size of the HF leg's subset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=256, help="engine rows")
+    p.add_argument("--hf-batch-size", type=int, default=256)
+    p.add_argument("--refill-rows", type=int, help="engine: refill when this many rows are free")
+    p.add_argument("--prefill-tokens", type=int, help="engine: tokens per prefill forward")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
