@@ -263,6 +263,11 @@ class TrainingConfig:
     """cuda, cpu, or auto."""
     pack_documents: bool = True
     """Pack many documents into one drafter forward (False: one document per forward, for benchmarks)."""
+    step_path: Literal["auto", "fast", "standard"] = "auto"
+    """fast: fixed shapes, target in CUDA graphs, no host waits inside a step (train/fast_step.py);
+    standard: shapes follow the data; auto: fast for small full-attention targets on one GPU."""
+    target_chunk_tokens: int = 16384
+    """Fast step: rows x length of one target forward (one CUDA graph per row-length bucket)."""
 
     def __post_init__(self) -> None:
         p = "training"

@@ -39,6 +39,7 @@ from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.checkpoint import Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data
+from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
 from dflash_trainer.train.run_dir import MetricsLog, write_run_files
 from dflash_trainer.train.step import (
@@ -236,6 +237,9 @@ class Trainer:
         if resume:
             self.metrics.truncate_after(self.step)
         self._stop_signal: int | None = None
+        # The step function: the fast step (fixed shapes, graphs) or train_step's own.
+        self.fast, why = build_fast_step(self)
+        self._log(why)
 
     # ---------------------------------------------------------------- helpers
 
@@ -379,6 +383,8 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage."""
+        if self.fast is not None:
+            return self.fast.train_step()
         t = self.cfg.training
         ddev = self.world.drafter_device
         self.optimizer.zero_grad(set_to_none=True)
