@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trainer.config import Config
 from dflash_trainer.core.anchors import (
     block_input_ids,
     block_position_ids,
@@ -36,6 +37,9 @@ from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.core.packing import pack_documents
 from dflash_trainer.train.step import StepSettings, anchor_pad
 
+AUTO_MAX_TARGET_PARAMS = 2e9
+"""auto picks the fast step under this many target parameters: above it a step is
+compute-bound (the 27B target: ~1 s of GPU per step) and launch overhead is noise."""
 ROW_MIN = 128
 """Shortest row bucket."""
 CHUNK_TOKENS = 16384
@@ -251,3 +255,15 @@ def layout_cost(lengths: Sequence[int], shapes: FastShapes) -> tuple[int, int, i
             chunks += 1
             row_len.append(length)
     return padded, pairs, chunks, float(sum(row_len) / max(1, len(row_len)))
+
+
+def planned_fast(cfg: Config, target_params: float) -> bool:
+    """Whether a run of `cfg` on a GPU takes the fast step (the planner's view of auto)."""
+    t = cfg.training
+    if t.step_path != "auto":
+        return t.step_path == "fast"
+    return (
+        t.pack_documents
+        and cfg.distributed.placement == "colocated"
+        and target_params < AUTO_MAX_TARGET_PARAMS
+    )

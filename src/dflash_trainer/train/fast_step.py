@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,16 +36,31 @@ from dflash_trainer.core.masks import Intervals, build_block_mask, intervals_to_
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.batching import Position
-from dflash_trainer.train.fast_layout import FastShapes, HostStep, fast_shapes, prepare_host
+from dflash_trainer.train.fast_layout import (
+    AUTO_MAX_TARGET_PARAMS,
+    FastShapes,
+    HostStep,
+    fast_shapes,
+    prepare_host,
+)
 from dflash_trainer.train.fast_loss import fixed_shape_loss
 from dflash_trainer.train.step import StepSettings, settings_from_config
 
-if TYPE_CHECKING:
-    from dflash_trainer.train.trainer import StepStats, Trainer
+Trainer = Any
+"""train.trainer.Trainer (not imported: it imports this module)."""
 
-AUTO_MAX_TARGET_PARAMS = 2e9
-"""auto picks the fast step under this many target parameters: above it a step is
-compute-bound (the 27B target: ~1 s of GPU per step) and launch overhead is noise."""
+
+class StepNumbers(NamedTuple):
+    """The fields of `trainer.StepStats`, in its order."""
+
+    loss: float
+    metrics: dict[str, torch.Tensor]
+    grad_norm: float
+    skipped: bool
+    target_s: float
+    drafter_s: float
+    tokens: int
+    truncated: int
 
 
 def fast_blockers(cfg: Config, target: FrozenTarget, world_size: int) -> str | None:
@@ -93,7 +108,10 @@ def resolve_step_path(
         return "standard", f"auto: {why}"
     if params >= AUTO_MAX_TARGET_PARAMS:
         return "standard", f"auto: {size}, compute-bound (fast under {AUTO_MAX_TARGET_PARAMS:.0e})"
-    return "fast", f"auto: {size} on {device.type}, launch-bound (fast under 2e9)"
+    return (
+        "fast",
+        f"auto: {size} on {device.type}, launch-bound (fast under {AUTO_MAX_TARGET_PARAMS:.0e})",
+    )
 
 
 class _Replay:
@@ -363,7 +381,7 @@ class FastStep:
             return tout
         return self.target_stage(hs)
 
-    def train_step(self) -> StepStats:
+    def train_step(self) -> StepNumbers:
         """One optimizer step; updates the trainer's counters exactly as its own step does."""
         tr, t = self.tr, self.tr.cfg.training
         start = self.last_return if self.last_return is not None else time.perf_counter()
@@ -409,9 +427,7 @@ class FastStep:
         metrics: dict[str, torch.Tensor],
         target_s: list[Callable[[], float]],
         start: float,
-    ) -> StepStats:
-        from dflash_trainer.train.trainer import StepStats
-
+    ) -> StepNumbers:
         tr = self.tr
         if finite:
             tr.bad_steps = 0
@@ -430,7 +446,7 @@ class FastStep:
         # Stages overlap (the next target runs while the host reads this step), so the
         # wall time of the step is split as: the target's GPU time, the rest.
         wall = now - start
-        return StepStats(
+        return StepNumbers(
             loss, metrics, grad_norm, not finite, tgt, max(0.0, wall - tgt), tokens, truncated
         )
 

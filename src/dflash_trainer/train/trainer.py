@@ -384,7 +384,7 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimizer step (grad_accum_steps micro-steps): target stage, drafter stage."""
         if self.fast is not None:
-            return self.fast.train_step()
+            return StepStats(*self.fast.train_step())
         t = self.cfg.training
         ddev = self.world.drafter_device
         self.optimizer.zero_grad(set_to_none=True)
