@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
+from conftest import make_spec
 from trainer_utils import tiny_config
 
-from conftest import make_spec
 from dflash_trainer.core.loss import dflash_loss
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.fast_layout import (
@@ -116,7 +116,7 @@ def test_default_cpu_path_is_standard(tmp_path):
 
 def test_fast_refused_where_it_cannot_run(tmp_path):
     cfg = tiny_config(tmp_path, training={"step_path": "fast", "pack_documents": False})
-    with pytest.raises(DFlashError, match="training.step_path=fast: training.pack_documents"):
+    with pytest.raises(DFlashError, match=r"training\.step_path=fast: training\.pack_documents"):
         Trainer(cfg, log_to_console=False)
 
 
@@ -156,7 +156,7 @@ def test_layout_places_every_token_once():
         longest = max(lengths[d] for d, _ in r.docs)
         assert r.length == min(b for b in shapes.row_lengths if b >= longest)
     ids = [torch.full((n,), i) for i, n in enumerate(lengths)]
-    starts = torch.cumsum(torch.tensor([0] + lengths), 0).tolist()
+    starts = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()
     chunks = build_chunks(rows, ids, starts, shapes)
     assert {c.shape for c in chunks} <= {
         (r, length) for length in shapes.row_lengths for r in shapes.chunk_row_counts(length)
