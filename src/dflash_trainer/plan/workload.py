@@ -206,11 +206,11 @@ def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) 
         docs.append(len(ls))
         real.append(sum(ls))
         if fast_rows is not None:
-            p, a, chunks, mean_len = layout_cost(ls, fast_rows)
-            padded.append(p)
-            attn.append(a)
-            lmax.append(mean_len)
-            micro.append(chunks)
+            cost = layout_cost(ls, fast_rows)
+            padded.append(cost[0])
+            attn.append(cost[1])
+            micro.append(cost[2])
+            lmax.append(cost[3])
             continue
         groups = _micro_batches(ls, st.target_batch_tokens)
         longest = [max(ls[i] for i in g) for g in groups]

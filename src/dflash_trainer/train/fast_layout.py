@@ -216,7 +216,7 @@ def prepare_host(
     anchors = sample_anchors(
         pack, st.max_anchors, st.block_size, generator, pad_to=shapes.anchors, pad_multiple=multiple
     )
-    intervals = {}
+    intervals: dict[str, tuple[torch.Tensor, ...]] = {}
     for kind, window in windows.items():
         iv = build_intervals(anchors, shapes.ctx_len, window)
         intervals[kind] = (iv.ctx_lo_Q, iv.ctx_hi_Q, iv.blk_lo_Q, iv.blk_hi_Q)

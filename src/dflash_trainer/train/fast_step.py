@@ -315,7 +315,8 @@ class FastStep:
         kv_len = self.shapes.ctx_len + n * b
         masks = {}
         for kind, parts in hs.intervals.items():
-            iv = Intervals(*(self._to(p) for p in parts), kv_len=kv_len)
+            lo, hi, blo, bhi = (self._to(p) for p in parts)
+            iv = Intervals(lo, hi, blo, bhi, kv_len)
             masks[kind] = build_block_mask(iv) if tr.compile else intervals_to_dense(iv)
         emb = tr._embed_on_drafter(self._to(hs.block_ids_NB).reshape(-1)).detach()
         # Noise is drawn from the micro-step's own seed, as in the standard step.
@@ -363,11 +364,11 @@ class FastStep:
         if opt.defaults.get("fused"):
             # The fused kernel skips the whole update (and its step count) when found_inf
             # is set, on the GPU: no host read decides it.
-            opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
+            opt.found_inf = (~finite).float()
             try:
                 opt.step()
             finally:
-                del opt.found_inf  # type: ignore[attr-defined]
+                del opt.found_inf
         elif bool(finite):  # an unfused optimizer (CPU): the host read costs nothing there
             opt.step()
         return grad_norm, finite
