@@ -41,6 +41,8 @@ AUTO_MAX_TARGET_PARAMS = 2e9
 """auto picks the fast step under this many target parameters: above it a step is
 compute-bound (the 27B target: ~1 s of GPU per step) and launch overhead is noise."""
 ROW_MIN = 128
+CHUNK_STEPS = 8
+"""A bucket's last chunk is padded to the next eighth of a full chunk (at most 1/8 wasted)."""
 """Shortest row bucket."""
 CHUNK_TOKENS = 16384
 """Rows x length of one full target chunk: big enough that a 135M target's chunk is a few
@@ -63,9 +65,12 @@ class FastShapes:
     """Several documents share a target row (full-attention targets only)."""
 
     def chunk_row_counts(self, length: int) -> list[int]:
-        """Row counts a chunk of bucket `length` may have: the full count and its halvings."""
+        """Row counts a chunk of bucket `length` may have: multiples of an eighth of the full
+        count, and powers of two below that (each count is one graph)."""
         full = self.chunk_tokens // length
-        return sorted({max(1, -(-full // 2**k)) for k in range(full.bit_length() + 1)})
+        step = max(1, full // CHUNK_STEPS)
+        small = {2**k for k in range(step.bit_length()) if 2**k < step}
+        return sorted(small | set(range(step, full + 1, step)) | {full})
 
     def split_rows(self, n_rows: int, length: int) -> list[tuple[int, int]]:
         """(rows taken, chunk rows) per chunk for `n_rows` rows of bucket `length`."""
