@@ -23,7 +23,8 @@ from dflash_trainer.train.fast_layout import (
     layout_rows,
 )
 from dflash_trainer.train.fast_loss import fixed_shape_loss
-from dflash_trainer.train.fast_step import TargetRunner, resolve_step_path
+from dflash_trainer.train.fast_step import resolve_step_path
+from dflash_trainer.train.fast_target import TargetRunner
 from dflash_trainer.train.step import run_target, settings_from_config
 from dflash_trainer.train.trainer import Trainer
 

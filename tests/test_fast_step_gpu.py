@@ -9,7 +9,7 @@ import torch
 from trainer_utils import tiny_config
 
 from dflash_trainer.train.fast_layout import build_chunks, layout_rows
-from dflash_trainer.train.fast_step import TargetRunner
+from dflash_trainer.train.fast_target import TargetRunner
 from dflash_trainer.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
