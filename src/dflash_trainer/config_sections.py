@@ -260,6 +260,11 @@ class TrainingConfig:
     """cuda, cpu, or auto."""
     pack_documents: bool = True
     """Pack many documents into one drafter forward (False: one document per forward, for benchmarks)."""
+    step_path: Literal["auto", "fast", "standard"] = "auto"
+    """fast: fixed shapes, target in CUDA graphs, no host waits inside a step (train/fast_step.py);
+    standard: shapes follow the data; auto: fast for small full-attention targets on one GPU."""
+    target_chunk_tokens: int = setting(16384, lo=256, hi=MAX_TOKENS, why=_TOKENS_WHY)
+    """Fast step: rows x length of one target forward (one CUDA graph per row-length bucket)."""
 
     def __post_init__(self) -> None:
         check_section(self, "training")

@@ -30,6 +30,7 @@ from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.core.packing import Pack, pack_documents
 from dflash_trainer.train.batching import epoch_steps
+from dflash_trainer.train.fast_layout import fast_shapes, layout_cost, planned_fast
 from dflash_trainer.train.step import StepSettings, _micro_batches, anchor_pad, settings_from_config
 
 MAX_REPLAY_DOCS = 200_000
@@ -187,8 +188,15 @@ def _replay_lengths(stats: DataStats, cfg: Config, rng: np.random.Generator) -> 
 
 def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) -> StepShape:
     """Mean step shapes of `cfg` on `stats` (see the module docstring)."""
-    st = step_settings(cfg, compile)
+    # The fast step (training.step_path) pads every step to fixed shapes and runs the
+    # target on its own row layout: count the same work it does.
+    h, layers = spec.target_hidden_size, spec.num_target_hidden_layers
+    fast = planned_fast(cfg, 12 * h * h * layers + 2 * spec.vocab_size * h)
+    st = step_settings(cfg, compile or fast)
     d = cfg.data
+    fast_rows = (
+        fast_shapes(st, d.doc_limit, True, cfg.training.target_chunk_tokens) if fast else None
+    )
     lengths = _replay_lengths(stats, cfg, np.random.default_rng(d.shuffle_seed))
     steps = epoch_steps(lengths, d.token_budget, d.doc_limit, d.shuffle_seed, 0)
     clipped = np.minimum(lengths, d.doc_limit)
@@ -197,6 +205,13 @@ def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) 
         ls = [int(clipped[i]) for i in idx]
         docs.append(len(ls))
         real.append(sum(ls))
+        if fast_rows is not None:
+            cost = layout_cost(ls, fast_rows)
+            padded.append(cost[0])
+            attn.append(cost[1])
+            micro.append(cost[2])
+            lmax.append(cost[3])
+            continue
         groups = _micro_batches(ls, st.target_batch_tokens)
         longest = [max(ls[i] for i in g) for g in groups]
         padded.append(sum(len(g) * m for g, m in zip(groups, longest)))

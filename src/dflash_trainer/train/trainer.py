@@ -198,6 +198,9 @@ class Trainer(Stepper):
         # Rows past the resumed step are redone; a fresh start redoes them all.
         self.metrics.truncate_after(self.step if resume else 0)
         self._stop_signal: int | None = None
+        # The step function: the fast step (fixed shapes, graphs) or the Stepper's own.
+        self.fast, why = build_fast_step(self)
+        self._log(why)
 
     # ---------------------------------------------------------------- helpers
 
@@ -242,6 +245,12 @@ class Trainer(Stepper):
         self._log(f"drafter initialised from {path}")
 
     # ------------------------------------------------------------------- loop
+
+    def train_step(self) -> StepStats:
+        """One optimizer step: the fast step when the run uses it, else the Stepper's."""
+        if self.fast is not None:
+            return StepStats(*self.fast.train_step())
+        return super().train_step()
 
     def train(self) -> dict[str, Any]:
         from tqdm import tqdm
