@@ -124,6 +124,10 @@ def _strategy(tp: Any, rule: Rule | None) -> st.SearchStrategy[Any]:
         choices = list(rule.choices) if rule and rule.choices else []
         fixed = ["x", "runs/r", "s3://b/r", "memory://r", "nope://r", "../x", "a/b.gguf", "gsm8k"]
         return st.one_of(st.sampled_from(choices + fixed), st.text(max_size=12))
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested section (data.sources)
+        return st.fixed_dictionaries(
+            {}, optional={f.name: _field_strategy(tp, f) for f in dataclasses.fields(tp)}
+        )
     raise AssertionError(tp)
 
 

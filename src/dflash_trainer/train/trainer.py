@@ -45,6 +45,7 @@ from dflash_trainer.train.checkpoint import (
     run_meta,
 )
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
+from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (

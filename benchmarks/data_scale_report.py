@@ -1,0 +1,99 @@
+"""The mixture of a regenerated training set, as JSON: what `benchmarks/gpu/data_scale.sh` records.
+
+Reads the regenerated conversations (`dflash data regenerate` output, JSONL, optionally .gz),
+the prompts file's `.sources.json` (what each source gave and what decontamination dropped),
+an optional synthesis report (`dflash data synthesize`'s `.report.json`) and the prepared
+directory's manifest (supervised tokens per source), and writes one JSON with at least
+`assistant_turns`, `supervised_tokens`, `sources` and `decontaminated_dropped`.
+
+    python benchmarks/data_scale_report.py --regen OUT/regen.jsonl --sidecar PROMPTS.sources.json \
+        --prepared OUT/prep [--synth-report SYNTH.report.json] --out data_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def _lines(path: Path) -> Any:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def regen_counts(paths: list[Path]) -> dict[str, Any]:
+    """Assistant turns, answers stopped by length and completion tokens, per source prefix."""
+    per: dict[str, Counter] = defaultdict(Counter)
+    for path in paths:
+        for rec in _lines(path):
+            if "messages" not in rec:
+                continue  # the settings header
+            src = str(rec.get("id", "")).split("/", 1)[0]
+            gen = rec.get("generation", {})
+            reasons = gen.get("finish_reasons", [])
+            per[src]["conversations"] += 1
+            per[src]["assistant_turns"] += len(reasons)
+            per[src]["stopped_by_length"] += sum(r == "length" for r in reasons)
+            per[src]["completion_tokens"] += sum(gen.get("completion_tokens", []))
+    return {k: dict(v) for k, v in sorted(per.items())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--regen", type=Path, nargs="+", required=True)
+    ap.add_argument("--sidecar", type=Path, required=True)
+    ap.add_argument("--prepared", type=Path)
+    ap.add_argument("--synth-report", type=Path)
+    ap.add_argument("--extra", type=Path, help="a JSON of settings/timings merged in as is")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    regen = regen_counts(args.regen)
+    sidecar = json.loads(args.sidecar.read_text())
+    prepared: dict[str, Any] = {}
+    if args.prepared and (args.prepared / "manifest.json").is_file():
+        prepared = json.loads((args.prepared / "manifest.json").read_text())
+    by_source_prep = prepared.get("sources", {}) or {}
+    sources: dict[str, Any] = {}
+    for s in sidecar.get("sources", []):
+        name = s["name"]
+        sources[name] = {
+            "prompts_written": s.get("written"),
+            "user_turns": s.get("user_turns"),
+            "decontaminated": s.get("decontaminated"),
+            **regen.get(name, {}),
+            "prepared": by_source_prep.get(name),
+        }
+    for name, counts in regen.items():
+        sources.setdefault(name, {**counts, "prepared": by_source_prep.get(name)})
+    splits = prepared.get("splits", {})
+    out: dict[str, Any] = {
+        "assistant_turns": sum(v.get("assistant_turns", 0) for v in regen.values()),
+        "conversations": sum(v.get("conversations", 0) for v in regen.values()),
+        "stopped_by_length": sum(v.get("stopped_by_length", 0) for v in regen.values()),
+        "completion_tokens": sum(v.get("completion_tokens", 0) for v in regen.values()),
+        "supervised_tokens": sum(sp.get("supervised_tokens", 0) for sp in splits.values()),
+        "tokens": sum(sp.get("tokens", 0) for sp in splits.values()),
+        "splits": {
+            k: {kk: vv for kk, vv in v.items() if kk != "shards"} for k, v in splits.items()
+        },
+        "decontaminated_dropped": sidecar.get("decontamination", {}).get("dropped"),
+        "decontamination": sidecar.get("decontamination"),
+        "sources": sources,
+    }
+    if args.synth_report and args.synth_report.is_file():
+        out["synthesized"] = json.loads(args.synth_report.read_text())
+    if args.extra and args.extra.is_file():
+        out.update(json.loads(args.extra.read_text()))
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("sources", "splits")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
