@@ -12,6 +12,7 @@ from dflash_trainer.config import Config, ConfigError
 from dflash_trainer.doctor.data_checks import DataSample
 from dflash_trainer.doctor.report import Check
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.plan.gpu_plan import GpuPlan
 from dflash_trainer.plan.hardware import Hardware, get_hardware
 
 
@@ -119,7 +120,9 @@ def check_memory(
         hardware, how = _detect_hardware()
     placement = placement or cfg.distributed.placement
     gpus = gpus or default_gpus(placement)
-    if sample is not None:
+    # Data without documents fails data.documents; plan with the assumed documents instead
+    # of dividing by zero.
+    if sample is not None and int(sample.lengths.sum()):
         frac = (
             float(sample.supervised.sum() / sample.lengths.sum())
             if sample.supervised is not None
@@ -156,27 +159,25 @@ def check_memory(
                     "or a bigger card (see `dflash plan`)",
                 )
             )
-    drafter_gpu = pred.memory[-1]
-    if not drafter_gpu.unfused_fits:
-        need = f"{drafter_gpu.unfused_peak_gb:.0f} GB"
-        if cfg.training.compile is False:
-            out.append(
-                Check(
-                    "memory.unfused",
-                    "fail",
-                    f"training.compile=false: unfused attention materialises fp32 scores and needs "
-                    f"{need} on the {drafter_gpu.role} GPU (seed: OOM in the unfused backward)",
-                    "set training.compile=true (fused FlexAttention)",
-                )
-            )
-        else:
-            out.append(
-                Check(
-                    "memory.unfused",
-                    "pass",
-                    f"compile is on; it is required here (unfused attention would need {need})",
-                )
-            )
-    else:
-        out.append(Check("memory.unfused", "pass", "even unfused attention would fit"))
+    out.append(_unfused(cfg, pred.memory[-1]))
     return out
+
+
+def _unfused(cfg: Config, drafter_gpu: GpuPlan) -> Check:
+    """Compile off runs unfused attention, whose fp32 scores may not fit (seed: OOM)."""
+    if drafter_gpu.unfused_fits:
+        return Check("memory.unfused", "pass", "even unfused attention would fit")
+    need = f"{drafter_gpu.unfused_peak_gb:.0f} GB"
+    if cfg.training.compile is False:
+        return Check(
+            "memory.unfused",
+            "fail",
+            f"training.compile=false: unfused attention materialises fp32 scores and needs "
+            f"{need} on the {drafter_gpu.role} GPU (seed: OOM in the unfused backward)",
+            "set training.compile=true (fused FlexAttention)",
+        )
+    return Check(
+        "memory.unfused",
+        "pass",
+        f"compile is on; it is required here (unfused attention would need {need})",
+    )
