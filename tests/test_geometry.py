@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import AutoConfig
 
@@ -103,3 +105,50 @@ def test_geometry_errors(changes, message):
     base = {"num_layers": 1, "mask_token_id": 5, "geometry": "small"}
     with pytest.raises(ConfigError, match=message):
         resolve_drafter_spec(DrafterConfig(**{**base, **changes}), t)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fails"),
+    [
+        ({}, None),
+        ({"num_attention_heads": 16}, None),
+        (
+            {"geometry": None, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 96},
+            None,
+        ),
+        ({"layer_class": "llama"}, None),
+        (
+            {"layer_class": "llama", "num_attention_heads": 24, "num_key_value_heads": 8},
+            "geometry.divisibility",
+        ),
+        ({"layer_class": "llama", "head_dim": 96}, "geometry.divisibility"),
+        ({"num_key_value_heads": 6}, "geometry.gqa"),
+        ({"head_dim": 63}, "geometry.head_dim"),
+        ({"geometry": None}, "geometry.chosen"),
+    ],
+)
+def test_the_doctor_reports_the_geometry_training_builds(changes, fails):
+    """One rule: the doctor shows the heads / head dim resolve_drafter_spec builds, and fails
+    where it raises, with the message of the rule it raises for."""
+    from dflash_trainer.core.geometry import attention_geometry
+    from dflash_trainer.doctor.geometry_checks import check_geometry
+
+    cfg = load_config(recipe="qwen3.6-27b")
+    cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, **changes))
+    target = load_target_config(cfg.target)
+    checks = {c.id: c for c in check_geometry(cfg, target)}
+    failed = [i for i, c in checks.items() if c.status == "fail"]
+    if fails is not None:
+        assert failed == [fails]
+        first = next(iter(attention_geometry(cfg.drafter, target.hidden_size).broken.values()))
+        with pytest.raises(ConfigError) as raised:
+            resolve_drafter_spec(cfg.drafter, target)
+        assert str(raised.value) == first
+        return
+    assert failed == []
+    spec = resolve_drafter_spec(cfg.drafter, target)
+    shown = checks["geometry.divisibility"].message
+    assert f"{spec.num_attention_heads} heads x head_dim {spec.head_dim}" in shown
+    assert checks["geometry.gqa"].message.startswith(
+        f"{spec.num_attention_heads // spec.num_key_value_heads} query heads"
+    )

@@ -12,8 +12,9 @@ from test_doctor import prepared_dataset
 from dflash_trainer import cli
 from dflash_trainer.config import config_to_dict, load_config
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.plan.dataset import data_stats
 from dflash_trainer.plan.hardware import PRESETS, get_hardware
-from dflash_trainer.plan.planner import calibrate, data_stats, predict
+from dflash_trainer.plan.planner import calibrate, predict
 from dflash_trainer.plan.workload import DataStats
 from dflash_trainer.train.batching import TokenBudgetBatcher
 

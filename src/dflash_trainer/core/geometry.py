@@ -4,13 +4,16 @@ Only three things must match the target: hidden_size (the drafter shares the tar
 embed_tokens and lm_head), vocab_size, and H_target (fc's input width). Attention
 geometry is the drafter's own: copying the target's (seed "Bug 1") gives a bigger,
 incompatible model, so it comes from a preset or explicit fields, never from the target.
+
+`attention_geometry` is the one rule for heads / KV heads / head dim: training raises
+its first broken rule (via resolve_drafter_spec), `dflash doctor` reports all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from dflash_trainer.config import GEOMETRY_PRESETS, ConfigError, DrafterConfig
 
@@ -70,6 +73,13 @@ def default_target_layer_ids(num_hidden_layers: int, n: int) -> tuple[int, ...]:
     return tuple(round(1 + i * (num_hidden_layers - 4) / (n - 1)) for i in range(n))
 
 
+def target_layer_ids(dcfg: DrafterConfig, num_hidden_layers: int) -> tuple[int, ...]:
+    """The tapped layers: drafter.target_layer_ids when given, else the default spread."""
+    return dcfg.target_layer_ids or default_target_layer_ids(
+        num_hidden_layers, dcfg.num_target_layers
+    )
+
+
 def text_config(hf_config: Any) -> Any:
     """The language-model part of a (possibly multimodal) HF config."""
     getter = getattr(hf_config, "get_text_config", None)
@@ -89,6 +99,91 @@ def rope_theta_of(cfg: Any, default: float = 10000.0) -> float:
     return float(theta) if theta is not None else default
 
 
+# The rules an attention geometry can break, in the order resolve_drafter_spec reports them.
+GeometryRule = Literal[
+    "unset", "llama_divisibility", "llama_head_dim", "head_dim_unset", "gqa", "rope_even"
+]
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """The drafter's heads / KV heads / head dim as the config picks them, and what they break.
+
+    `broken` maps each broken rule to the ConfigError message resolve_drafter_spec raises
+    for it; the doctor reports every entry, training stops at the first.
+    """
+
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    source: str
+    """Where the numbers came from: a preset, explicit fields, or a preset plus overrides."""
+    broken: dict[GeometryRule, str] = field(default_factory=dict)
+
+
+def attention_geometry(dcfg: DrafterConfig, hidden: int) -> AttentionGeometry:
+    """Explicit fields win over the preset; a llama-class head_dim is hidden / heads.
+
+    Never the target's attention geometry: copying it (seed "Bug 1") gives a bigger model
+    that published drafter weights cannot load into.
+    """
+    preset = GEOMETRY_PRESETS.get(dcfg.geometry or "", {})
+    heads: int | None = dcfg.num_attention_heads or preset.get("num_attention_heads")
+    kv_heads = dcfg.num_key_value_heads or preset.get("num_key_value_heads")
+    head_dim = dcfg.head_dim or preset.get("head_dim")
+    explicit = [
+        n for n in ("num_attention_heads", "num_key_value_heads", "head_dim") if getattr(dcfg, n)
+    ]
+    source = f"preset {dcfg.geometry}" if preset else "explicit fields"
+    if preset and explicit:
+        source += " + explicit " + ", ".join(explicit)
+    broken: dict[GeometryRule, str] = {}
+    if heads is None or kv_heads is None:
+        broken["unset"] = (
+            "drafter.num_attention_heads / drafter.num_key_value_heads: not set and no "
+            "drafter.geometry preset; choose a preset (e.g. drafter.geometry=qwen3) or "
+            "give both explicitly (the drafter never copies the target's attention geometry)"
+        )
+        return AttentionGeometry(heads, kv_heads, head_dim, source, broken)
+    if dcfg.layer_class == "llama":
+        head_dim = _llama_head_dim(dcfg, hidden, heads, broken)
+    elif head_dim is None:
+        broken["head_dim_unset"] = (
+            "drafter.head_dim: not set and no drafter.geometry preset gives it"
+        )
+    if heads % kv_heads != 0:
+        broken["gqa"] = (
+            f"drafter.num_attention_heads={heads} is not a multiple of "
+            f"drafter.num_key_value_heads={kv_heads}; grouped-query attention needs "
+            "each KV head to serve the same number of query heads"
+        )
+    if head_dim is not None and head_dim % 2 != 0:
+        broken["rope_even"] = f"drafter.head_dim={head_dim} must be even for RoPE"
+    return AttentionGeometry(heads, kv_heads, head_dim, source, broken)
+
+
+def _llama_head_dim(
+    dcfg: DrafterConfig, hidden: int, heads: int, broken: dict[GeometryRule, str]
+) -> int | None:
+    """A llama-class drafter has head_dim = hidden / heads; None when heads do not divide."""
+    if hidden % heads != 0:
+        broken["llama_divisibility"] = (
+            f"drafter.num_attention_heads={heads} does not divide target hidden_size="
+            f"{hidden} ({hidden} % {heads} = {hidden % heads}); a llama-class drafter "
+            f"needs hidden_size % num_attention_heads == 0. Use drafter.layer_class=qwen3 "
+            f"(free head_dim) or a head count that divides {hidden}"
+        )
+        return None
+    llama_hd = hidden // heads
+    if dcfg.head_dim is not None and dcfg.head_dim != llama_hd:
+        broken["llama_head_dim"] = (
+            f"drafter.head_dim={dcfg.head_dim} but a llama-class drafter has head_dim = "
+            f"hidden_size / num_attention_heads = {llama_hd}; drop head_dim or use "
+            "drafter.layer_class=qwen3"
+        )
+    return llama_hd
+
+
 def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterSpec:
     """Combine the drafter knobs with the target's shared dims; validate the result."""
     t = text_config(target_hf_config)
@@ -96,9 +191,7 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
     vocab = int(t.vocab_size)
     n_layers_t = int(t.num_hidden_layers)
 
-    layer_ids = dcfg.target_layer_ids or default_target_layer_ids(
-        n_layers_t, dcfg.num_target_layers
-    )
+    layer_ids = target_layer_ids(dcfg, n_layers_t)
     bad = [i for i in layer_ids if not 0 <= i < n_layers_t]
     if bad:
         raise ConfigError(
@@ -106,44 +199,38 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
             f"{n_layers_t} layers (valid ids 0..{n_layers_t - 1}; ids are 0-based "
             "decoder layers, not hidden_states indices)"
         )
+    attn = attention_geometry(dcfg, hidden)
+    if attn.broken:
+        raise ConfigError(next(iter(attn.broken.values())))
+    assert attn.heads is not None and attn.kv_heads is not None and attn.head_dim is not None
+    mask_token_id = _mask_token_id(dcfg, vocab)
 
-    preset = GEOMETRY_PRESETS.get(dcfg.geometry or "", {})
-    heads: int | None = dcfg.num_attention_heads or preset.get("num_attention_heads")
-    kv_heads = dcfg.num_key_value_heads or preset.get("num_key_value_heads")
-    head_dim = dcfg.head_dim or preset.get("head_dim")
-    if heads is None or kv_heads is None:
-        raise ConfigError(
-            "drafter.num_attention_heads / drafter.num_key_value_heads: not set and no "
-            "drafter.geometry preset; choose a preset (e.g. drafter.geometry=qwen3) or "
-            "give both explicitly (the drafter never copies the target's attention geometry)"
-        )
-    if dcfg.layer_class == "llama":
-        if hidden % heads != 0:
-            raise ConfigError(
-                f"drafter.num_attention_heads={heads} does not divide target hidden_size="
-                f"{hidden} ({hidden} % {heads} = {hidden % heads}); a llama-class drafter "
-                f"needs hidden_size % num_attention_heads == 0. Use drafter.layer_class=qwen3 "
-                f"(free head_dim) or a head count that divides {hidden}"
-            )
-        llama_hd = hidden // heads
-        if head_dim is not None and dcfg.head_dim is not None and head_dim != llama_hd:
-            raise ConfigError(
-                f"drafter.head_dim={head_dim} but a llama-class drafter has head_dim = "
-                f"hidden_size / num_attention_heads = {llama_hd}; drop head_dim or use "
-                "drafter.layer_class=qwen3"
-            )
-        head_dim = llama_hd
-    if head_dim is None:
-        raise ConfigError("drafter.head_dim: not set and no drafter.geometry preset gives it")
-    if heads % kv_heads != 0:
-        raise ConfigError(
-            f"drafter.num_attention_heads={heads} is not a multiple of "
-            f"drafter.num_key_value_heads={kv_heads}; grouped-query attention needs "
-            "each KV head to serve the same number of query heads"
-        )
-    if head_dim % 2 != 0:
-        raise ConfigError(f"drafter.head_dim={head_dim} must be even for RoPE")
+    intermediate = dcfg.intermediate_size or int(getattr(t, "intermediate_size", 4 * hidden))
+    return DrafterSpec(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        target_hidden_size=hidden,
+        num_target_hidden_layers=n_layers_t,
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        block_size=dcfg.block_size,
+        mask_token_id=mask_token_id,
+        num_layers=dcfg.num_layers,
+        num_attention_heads=int(attn.heads),
+        num_key_value_heads=int(attn.kv_heads),
+        head_dim=int(attn.head_dim),
+        intermediate_size=int(intermediate),
+        rope_theta=float(dcfg.rope_theta or rope_theta_of(t)),
+        layer_types=dcfg.resolved_layer_types(),
+        sliding_window=dcfg.sliding_window,
+        rms_norm_eps=float(dcfg.rms_norm_eps),
+        max_position_embeddings=int(
+            dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", None) or 32768
+        ),
+    )
 
+
+def _mask_token_id(dcfg: DrafterConfig, vocab: int) -> int:
+    """drafter.mask_token_id, which must be set and inside the target's vocab."""
     if dcfg.mask_token_id is None:
         raise ConfigError(
             "drafter.mask_token_id: required. Pick a token id that never occurs in the "
@@ -155,26 +242,4 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
             f"drafter.mask_token_id={dcfg.mask_token_id} is outside the target vocab "
             f"(0..{vocab - 1})"
         )
-
-    intermediate = dcfg.intermediate_size or int(getattr(t, "intermediate_size", 4 * hidden))
-    return DrafterSpec(
-        hidden_size=hidden,
-        vocab_size=vocab,
-        target_hidden_size=hidden,
-        num_target_hidden_layers=n_layers_t,
-        target_layer_ids=tuple(int(i) for i in layer_ids),
-        block_size=dcfg.block_size,
-        mask_token_id=int(dcfg.mask_token_id),
-        num_layers=dcfg.num_layers,
-        num_attention_heads=int(heads),
-        num_key_value_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        intermediate_size=int(intermediate),
-        rope_theta=float(dcfg.rope_theta or rope_theta_of(t)),
-        layer_types=dcfg.resolved_layer_types(),
-        sliding_window=dcfg.sliding_window,
-        rms_norm_eps=float(dcfg.rms_norm_eps),
-        max_position_embeddings=int(
-            dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", None) or 32768
-        ),
-    )
+    return int(dcfg.mask_token_id)

@@ -14,8 +14,9 @@ from typing import Any
 
 from dflash_trainer import config_cli
 from dflash_trainer.config import Config
+from dflash_trainer.plan.dataset import data_stats
 from dflash_trainer.plan.hardware import Hardware, get_hardware, hardware_names
-from dflash_trainer.plan.planner import Prediction, calibrate, data_stats, predict
+from dflash_trainer.plan.planner import Prediction, calibrate, predict
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,9 +125,20 @@ def _fmt(x: float | None, unit: str = "", digits: int = 2) -> str:
 
 def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -> str:
     """The readable table: shapes, memory per GPU, time, throughput, bottleneck."""
-    p0 = preds[0]
+    lines = _header(preds[0])
+    lines.append(
+        f"{'':34}" + "".join(f"{p.target_precision.upper() + ' target':>18}" for p in preds)
+    )
+    lines += _table(preds, epochs, max_steps)
+    lines.append("")
+    lines += _footer(preds)
+    return "\n".join(lines)
+
+
+def _header(p0: Prediction) -> list[str]:
+    """What was planned: the cards, the models, the data and one step's shapes."""
     s = p0.shape
-    lines = [
+    return [
         f"dflash plan: {p0.hardware.name} x {p0.gpus} ({p0.placement}, data parallel {p0.data_parallel}), "
         f"compile {'on' if p0.compile else 'off'}",
         f"  target {p0.target_params / 1e9:.2f}B params, drafter {p0.drafter_params / 1e9:.3f}B params",
@@ -137,8 +149,11 @@ def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -
         f"Q={s.queries}, R={s.rows:,.0f} loss rows",
         "",
     ]
-    head = f"{'':34}" + "".join(f"{p.target_precision.upper() + ' target':>18}" for p in preds)
-    lines.append(head)
+
+
+def _table(preds: list[Prediction], epochs: float, max_steps: int | None) -> list[str]:
+    """One row per figure, one column per target precision."""
+    lines: list[str] = []
 
     def row(label: str, values: list[str]) -> None:
         lines.append(f"{label:34}" + "".join(f"{v:>18}" for v in values))
@@ -155,7 +170,7 @@ def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -
             for p in preds
         ],
     )
-    for i, g in enumerate(p0.memory):
+    for i, g in enumerate(preds[0].memory):
         row(
             f"memory {g.role} GPU (of {g.capacity_gb:.0f} GB)",
             [_fmt(p.memory[i].peak_gb, " GB", 1) for p in preds],
@@ -181,9 +196,13 @@ def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -
     row("hours per epoch", [_fmt(p.hours_per_epoch, " h", 1) for p in preds])
     label = f"days for {max_steps} steps" if max_steps else f"days for {epochs:g} epochs"
     row(label, [_fmt(p.run_days(epochs, max_steps), " d", 2) for p in preds])
-    lines.append("")
-    for p in preds:
-        lines.append(f"bottleneck ({p.target_precision}): {p.bottleneck}")
+    return lines
+
+
+def _footer(preds: list[Prediction]) -> list[str]:
+    """The bottleneck per precision, the rates assumed, a calibration, the notes."""
+    p0 = preds[0]
+    lines = [f"bottleneck ({p.target_precision}): {p.bottleneck}" for p in preds]
     hw = p0.hardware
     lines.append(
         f"rates: {hw.bf16_tflops:g} TFLOP/s bf16 x {hw.matmul_efficiency:.3f} efficiency, "
@@ -202,4 +221,4 @@ def format_plan(preds: list[Prediction], epochs: float, max_steps: int | None) -
         )
     for n in p0.notes:
         lines.append(f"note: {n}")
-    return "\n".join(lines)
+    return lines
