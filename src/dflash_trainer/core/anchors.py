@@ -1,4 +1,4 @@
-"""Anchors, block inputs and slot labels over a packed sequence (DFLASH_SPEC.md 4.5).
+"""Anchors, block inputs and slot labels over a packed sequence (docs/algorithm.md section 3).
 
 Shape legend: T = packed length, N = anchors (possibly padded to a fixed count),
 B = block size. Slot k of anchor n sits at packed index `anchor_idx_N[n] + k`.

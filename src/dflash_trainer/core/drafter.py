@@ -1,4 +1,4 @@
-"""The DFlash drafter (DFLASH_SPEC.md section 2).
+"""The DFlash drafter (docs/algorithm.md section 1).
 
 Shape legend: T = context tokens, F = n_tapped * H_target, H = hidden size,
 Q = block-slot queries (N blocks x B slots in training, B at inference),

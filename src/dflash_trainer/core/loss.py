@@ -1,4 +1,4 @@
-"""Slot losses, weights and acceptance metrics (DFLASH_SPEC.md section 5).
+"""Slot losses, weights and acceptance metrics (docs/algorithm.md section 4).
 
 Shape legend: N = anchors, B = block size, R = rows (valid slots, gathered),
 H = hidden size, V = vocab.

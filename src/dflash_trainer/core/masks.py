@@ -1,4 +1,4 @@
-"""The drafter's attention rule (DFLASH_SPEC.md section 3), three ways.
+"""The drafter's attention rule (docs/algorithm.md section 2), three ways.
 
 Shape legend: T = packed context length (a multiple of the flex block), N = anchors,
 B = block size, Q = N*B queries (block slots, anchor-major), KV = T + Q keys

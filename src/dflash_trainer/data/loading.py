@@ -1,7 +1,7 @@
 """Resolve user specs: data sources, tokenizers and (for regeneration) causal LMs.
 
 Accepted specs, for tokenizers and models alike:
-- `asset:<name>`: an offline asset (ASSETS.md), e.g. `asset:smollm2-135m-instruct` (a GGUF);
+- `asset:<name>`: an offline asset (docs/assets.md), e.g. `asset:smollm2-135m-instruct` (a GGUF);
 - a `.gguf` file, or `DIR::FILE.gguf` (a directory plus the GGUF file in it);
 - a local directory with tokenizer/model files;
 - anything else is a Hugging Face hub id.

@@ -1,4 +1,4 @@
-"""Speculative decoding with a block drafter (DFLASH_SPEC.md section 7), batch 1.
+"""Speculative decoding with a block drafter (docs/algorithm.md section 7), batch 1.
 
 Shape legend: P = prompt tokens, N = committed tokens (prompt + generated), B = block size,
 S = tokens fed in one target forward, V = vocab, F = n_tapped * H_target.

@@ -23,7 +23,7 @@ from dflash_trainer.formats.zlab import (
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# Field -> what goes wrong when it is missing (DFLASH_SPEC.md section 8).
+# Field -> what goes wrong when it is missing (docs/algorithm.md section 8).
 REQUIRED_GEOMETRY: dict[str, str] = {
     "hidden_size": "loaders fall back to Qwen3Config's 4096 and the weights do not fit",
     "intermediate_size": "loaders fall back to Qwen3Config's 22016",

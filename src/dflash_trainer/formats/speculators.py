@@ -76,7 +76,7 @@ def speculators_config(
         "block_size": spec.block_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
         "mask_token_id": spec.mask_token_id,
-        # Our sliding layers are causal inside the block (DFLASH_SPEC.md section 3).
+        # Our sliding layers are causal inside the block (docs/algorithm.md section 2).
         "sliding_window_non_causal": False,
         # The anchor slot is the bonus token: B-1 drafts per block.
         "sample_from_anchor": False,

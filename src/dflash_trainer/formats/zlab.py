@@ -1,7 +1,7 @@
 """The z-lab / vLLM / SGLang drafter layout: `DrafterSpec` <-> `config.json` fields.
 
 One `config.json` is read by three loaders that default missing fields differently
-(DFLASH_SPEC.md section 8): z-lab's reference loader (transformers 4.57 `Qwen3Config`),
+(docs/algorithm.md section 8): z-lab's reference loader (transformers 4.57 `Qwen3Config`),
 vLLM's `qwen3_dflash.py` and SGLang's `dflash.py`. A wrong default loads silently and
 accepts nothing, so `zlab_config` writes every field any of them reads, and
 `spec_from_zlab_config` reads published configs back, filling a missing field with

@@ -1,7 +1,7 @@
 """The GPUs the planner knows: memory, peak rates, bandwidths, and what was measured.
 
 Every number is either a public datasheet value or a measurement on the project's own
-machine (ASSETS.md), and says which. Times are peak rate x efficiency: the efficiency
+machine (docs/assets.md), and says which. Times are peak rate x efficiency: the efficiency
 defaults to the one ratio we have measured (bf16 matmul on the H200: ~797 of 989
 TFLOP/s), applied to every card until a finished run calibrates it (`--calibrate`).
 
@@ -19,7 +19,7 @@ from dflash_trainer.errors import DFlashError
 GB_UNIT = 1e9
 
 H200_MEASURED_MATMUL_EFFICIENCY = 797.0 / 989.0
-"""bf16 8192^3 matmul on the project's H200 over its datasheet peak (ASSETS.md)."""
+"""bf16 8192^3 matmul on the project's H200 over its datasheet peak (docs/assets.md)."""
 H200_MEASURED_COPY_EFFICIENCY = 4.2 / 4.8
 """Device-to-device copy on the H200 (4.2 TB/s) over its datasheet HBM bandwidth."""
 
@@ -70,7 +70,7 @@ PRESETS: dict[str, Hardware] = {
         link_gbs=450.0,
         link_kind="NVLink 4 (900 GB/s bidirectional)",
         measured=("memory_gb", "matmul_efficiency", "bandwidth_efficiency"),
-        source="NVIDIA H200 SXM datasheet; 143 GB, 797 TFLOP/s, 4.2 TB/s measured (ASSETS.md)",
+        source="NVIDIA H200 SXM datasheet; 143 GB, 797 TFLOP/s, 4.2 TB/s measured (docs/assets.md)",
     ),
     "h100": Hardware(
         name="h100",

@@ -1,7 +1,7 @@
 """The target's HF config without its weights: local, bundled, or from the hub.
 
 `plan` and `doctor` must answer on a laptop with no network, so the published configs
-of the recipes' targets are bundled here (public facts, ASSETS.md). A local directory
+of the recipes' targets are bundled here (public facts, docs/assets.md). A local directory
 or the hub always wins when given explicitly: the bundled entry is used only for an
 exact hub id that is not a local path.
 """

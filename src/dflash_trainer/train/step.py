@@ -1,4 +1,4 @@
-"""One training step, top to bottom (DFLASH_SPEC.md section 4).
+"""One training step, top to bottom (docs/algorithm.md section 3).
 
     documents -> target forward (no grad, right-padded, taps)     `run_target`
               -> pack + anchors + labels                           `prepare_blocks`
