@@ -323,6 +323,8 @@ class Stepper:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf")
         )
+        if hasattr(grad_norm, "full_tensor"):  # FSDP returns the norm as a DTensor
+            grad_norm = grad_norm.full_tensor()
         weight = acc.total_w if acc.total_w is not None else acc.dpace_w
         # One host sync for both checks (the weight sum is already on the device).
         finite_grad, supervised = torch.stack(
