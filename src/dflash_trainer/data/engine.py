@@ -19,6 +19,9 @@ answer finishes. Here:
 - Length buckets: prompts are served shortest first, and the cache length L is a power of two
   covering prompt + max_new_tokens; a longer prompt waits until the batch drains, then the
   cache and graph are rebuilt for the next bucket (short prompts do not pay for long ones).
+- Attention: a decode step of a grouped-query target attends to each key/value head once
+  (data/grouped_decode.py); the cache read is what a step costs, so copying heads would
+  triple it.
 - Sampling: greedy (argmax), or temperature / top_p with noise drawn from a counter-based hash
   of (row key, position): a prompt's answer depends on its key and the seed only, not on which
   rows ran beside it, so a resumed job draws what an uninterrupted one would have.
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.data.grouped_decode import grouped_decode
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.speculative import _cache_kwarg
@@ -315,7 +319,7 @@ class StaticBatchEngine:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         new = self.settings.max_new_tokens
         group: list[int] = []
-        with torch.inference_mode():
+        with torch.inference_mode(), grouped_decode(self.model):
             for i in order:
                 if group and cache_length(len(prompts[i]) + new) != cache_length(
                     len(prompts[group[0]]) + new

@@ -1,0 +1,79 @@
+"""Decode-step attention that reads each key/value head once (grouped-query targets).
+
+Why: a one-token decode step over a long fixed cache is bound by reading the cache. With an
+explicit mask (the engine needs one: every row has its own length), older HF `sdpa` attention
+cannot use SDPA's grouped-query mode and copies every key/value head `groups` times
+(`repeat_kv`) before attending: SmolLM2-135M has 9 query heads over 3 key/value heads, so a
+256-row step over a 1,024-slot cache writes and reads 3x the cache, about 36 GB, where
+the attention needs 6 GB. Here the `groups` query heads of a one-token step become `groups`
+query rows of their key/value head ([B, H, 1, D] -> [B, Hkv, G, D]), so SDPA attends to
+the cache as stored; the [B, 1, 1, L] row mask broadcasts over both. Steps with more than one
+query token (the prefill) go to HF's own `sdpa` attention unchanged.
+
+Query head h belongs to key/value head h // G, the order `repeat_kv` expands in, so the
+result is the same attention, not an approximation (tests/test_regen_engine.py checks the
+engine against HF `generate` token for token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+NAME = "dflash_grouped_decode"
+
+
+def grouped_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface signature: query [B, H, S, D], key/value [B, Hkv, L, D]."""
+    b, heads, s, _d = query.shape
+    kv_heads = key.shape[1]
+    if s != 1 or kv_heads == heads:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(  # type: ignore[no-any-return]
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    packed = query.reshape(b, kv_heads, heads // kv_heads, query.shape[-1])
+    out = F.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, grouped_decode_attention)
+
+
+@contextmanager
+def grouped_decode(model: Any) -> Iterator[bool]:
+    """While open, an `sdpa` grouped-query `model` attends with `grouped_decode_attention`;
+    yields whether it does (other targets are left as they are)."""
+    cfg = model.config
+    text = cfg.get_text_config()
+    impl = getattr(cfg, "_attn_implementation", None)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if impl != "sdpa" or kv == heads or heads % kv:
+        yield False
+        return
+    _register()
+    cfg._attn_implementation = NAME
+    try:
+        yield True
+    finally:
+        cfg._attn_implementation = impl
