@@ -43,7 +43,7 @@ def grouped_decode_attention(
     if s != 1 or kv_heads == heads:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     packed = query.reshape(b, kv_heads, heads // kv_heads, query.shape[-1])
