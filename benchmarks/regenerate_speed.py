@@ -77,6 +77,60 @@ def run_hf(
     return outs, time.perf_counter() - t0
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two answers differ (one ending early counts), or None."""
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return j
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergence_gaps(
+    ref: Any, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> list[float]:
+    """For each pair of answers that differ: at the first differing token, the gap between the
+    two chosen tokens' logits in an fp32 forward of the shared prefix (`ref`: the model loaded
+    in fp32, batch 1). A gap near 0 is a numerical tie that bf16 rounding decides either way."""
+    dev = next(ref.parameters()).device
+    gaps: list[float] = []
+    with torch.inference_mode():
+        for p, a, b in zip(prompts, ours, theirs):
+            j = first_difference(a, b)
+            if j is None or j >= min(len(a), len(b)):
+                continue  # identical, or one stopped where the other went on (a length cut)
+            ids = torch.tensor([p + b[:j]], device=dev)
+            logits = ref(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+            gaps.append(abs(float(logits[a[j]] - logits[b[j]])))
+    return gaps
+
+
+def gap_summary(gaps: list[float]) -> dict[str, Any]:
+    return {
+        "answers_differing": len(gaps),
+        "gap_le_0.05": sum(g <= 0.05 for g in gaps),
+        "gap_le_0.1": sum(g <= 0.1 for g in gaps),
+        "gap_le_0.25": sum(g <= 0.25 for g in gaps),
+        "gap_le_0.5": sum(g <= 0.5 for g in gaps),
+        "gap_max": round(max(gaps), 4) if gaps else None,
+        "gap_median": round(sorted(gaps)[len(gaps) // 2], 4) if gaps else None,
+        "note": "fp32 logit gap between the engine's and HF's token at the first differing "
+        "position, prefix as HF generated it",
+    }
+
+
+def fp32_identity(
+    ref: Any, prompts: list[list[int]], stops: list[int], pad: int, new: int
+) -> dict[str, Any]:
+    """Engine and HF `generate` on the fp32 model: greedy answers should match token for token."""
+    settings = GenerationSettings("fp32", 0.0, 1.0, new)
+    engine_outs = StaticBatchEngine(ref, settings, stops, pad, rows=64).generate(prompts)
+    hf_outs = HFBatchGenerator(ref, settings, stops, pad, 64).generate(prompts)
+    same = sum(
+        cut_at_stop(a, stops)[0] == cut_at_stop(b, stops)[0] for a, b in zip(engine_outs, hf_outs)
+    )
+    return {"prompts": len(prompts), "new_tokens": new, "identical": same}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(args.model)
     model = load_causal_lm(args.model, args.device, args.dtype)
@@ -114,6 +168,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for i, o in zip(subset, hf_outs)
     )
     st = engine.stats
+    del hf
+    ref = load_causal_lm(args.model, args.device, "float32")
+    gaps = divergence_gaps(
+        ref,
+        [prompts[i] for i in subset],
+        [cut_at_stop(engine_outs[i], stops)[0] for i in subset],
+        [cut_at_stop(o, stops)[0] for o in hf_outs],
+    )
+    fp32 = fp32_identity(ref, prompts[: args.fp32_prompts], stops, pad, 64)
     return {
         "engine_tokens_per_s": round(engine_tokens / engine_s, 1),
         "hf_batched_tokens_per_s": round(hf_tokens / hf_s, 1),
@@ -130,6 +193,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine_tokens": engine_tokens,
         "engine_seconds": round(engine_s, 3),
         "engine_seconds_note": "includes every cache build and CUDA-graph capture",
+        "engine_breakdown_s": {
+            "build_and_capture": round(st.build_s, 3),
+            "prefill": round(st.prefill_s, 3),
+            "decode_steps": round(st.decode_s, 3),
+            "host_bookkeeping": round(st.host_s, 3),
+        },
+        "engine_ms_per_decode_step": round(1000 * st.decode_s / max(1, st.decode_steps), 3),
+        "greedy_divergences": gap_summary(gaps),
+        "fp32_greedy_identity": fp32,
         "hf_tokens": hf_tokens,
         "hf_seconds": round(hf_s, 3),
         "engine_decode_steps": st.decode_steps,
@@ -159,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-batch-size", type=int, default=256)
     p.add_argument("--refill-rows", type=int, help="engine: refill when this many rows are free")
     p.add_argument("--prefill-tokens", type=int, help="engine: tokens per prefill forward")
+    p.add_argument("--fp32-prompts", type=int, default=64, help="prompts of the fp32 check")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--out", type=Path, required=True)

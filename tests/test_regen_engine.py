@@ -93,8 +93,12 @@ def test_greedy_answers_equal_hf_generate_with_refills_and_buckets(kind: str) ->
     assert len({len(o) for o in ref}) >= 3  # rows stopped at several depths
     assert engine.stats.prefills > 3  # rows were refilled as they finished
     assert [length for _, length in engine.stats.shapes] == [256, 512]  # two length buckets
-    # A second call on the same engine (the next regeneration round) reuses the shapes.
+    # A second call on the same engine (the next regeneration round) reuses the shapes,
+    # including the first length's, built before the second: no rebuild, no recapture.
+    builds = engine.stats.builds
     assert engine.generate(prompts[:4]) == ref[:4]
+    assert engine.generate(prompts) == ref
+    assert engine.stats.builds == builds
 
 
 def test_one_row_and_many_rows_give_the_same_answers() -> None:

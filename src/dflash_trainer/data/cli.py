@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--max-new-tokens", type=int, default=512)
     r.add_argument("--thinking", choices=sorted(_THINKING), default="default")
-    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument(
+        "--batch-size", type=int, help="rows at once (default: 256 on the static engine, 32 on hf)"
+    )
     r.add_argument("--max-records", type=int, help="read at most N source records")
     r.add_argument(
         "--max-prompt-tokens",
@@ -187,7 +189,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         max_new_tokens=args.max_new_tokens,
         enable_thinking=_THINKING[args.thinking],
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or (256 if backend == "static" else 32),
         max_prompt_tokens=args.max_prompt_tokens or None,
         max_turns=args.max_turns,
         max_conversation_tokens=args.max_conversation_tokens,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,31 @@ class EngineStats:
     builds: int = 0
     shapes: list[tuple[int, int]] = field(default_factory=list)
     """(rows, cache length) of every build."""
+    build_s: float = 0.0
+    """Seconds building shapes: caches, warm-up step, graph capture."""
+    prefill_s: float = 0.0
+    """Seconds in prefill forwards (to their first tokens on the host)."""
+    decode_s: float = 0.0
+    """Seconds in decode steps (replay until the tokens are on the host)."""
+    host_s: float = 0.0
+    """Seconds of per-step bookkeeping on the host (appending tokens, stop checks)."""
+
+
+@dataclass
+class _Shape:
+    """One built (rows, cache length): its KV cache, static inputs and decode replay."""
+
+    rows: int
+    length: int
+    cache: _SlotCache
+    ids: torch.Tensor
+    pos: torch.Tensor
+    keys: torch.Tensor
+    row_ix: torch.Tensor
+    cols: torch.Tensor
+    replay: _Replay | None = None
+    capped: bool = False
+    """Fewer rows than asked for, for lack of memory: do not rebuild to grow it."""
 
 
 class StaticBatchEngine:
@@ -158,9 +184,8 @@ class StaticBatchEngine:
         self.bool_mask = impl != "eager"
         self.calls = 0
         self.stats = EngineStats()
-        self._shape: tuple[int, int] | None = None
+        self._built: dict[int, _Shape] = {}  # cache length -> its built shape
         self._replay: _Replay | None = None
-        self._memory_capped = False
         self.cache = _SlotCache(1, 1)
         self.oom_splits = 0
 
@@ -176,26 +201,36 @@ class StaticBatchEngine:
             rows = max(1, min(rows, fit))
         return rows
 
-    def _release(self) -> None:
-        self._replay, self._shape = None, None
-        self.cache = _SlotCache(1, 1)
+    def _drop(self, lengths: list[int]) -> None:
+        """Free the shapes of these cache lengths (buffers and graph pools)."""
+        for length in lengths:
+            del self._built[length]
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the previous shape's buffers and graph pool
+            torch.cuda.empty_cache()
 
-    def _build(self, rows: int, length: int) -> None:
+    def _activate(self, shape: _Shape) -> None:
+        self.cache, self.ids, self.pos, self.keys = shape.cache, shape.ids, shape.pos, shape.keys
+        self.row_ix, self.cols, self.length = shape.row_ix, shape.cols, shape.length
+        self._replay = shape.replay
+
+    def _build(self, rows: int, length: int) -> _Shape:
         """Caches, static inputs and the decode step (captured on CUDA) for this shape."""
-        self.cache = _SlotCache(length, rows)
         dev = self.device
-        self.ids = torch.full((rows, 1), self.pad_id, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.keys = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.row_ix = torch.arange(rows, device=dev)
-        self.cols = torch.arange(length, device=dev)
-        self.length = length
+        shape = _Shape(
+            rows=rows,
+            length=length,
+            cache=_SlotCache(length, rows),
+            ids=torch.full((rows, 1), self.pad_id, dtype=torch.long, device=dev),
+            pos=torch.zeros(rows, dtype=torch.long, device=dev),
+            keys=torch.zeros(rows, dtype=torch.long, device=dev),
+            row_ix=torch.arange(rows, device=dev),
+            cols=torch.arange(length, device=dev),
+        )
+        self._activate(shape)
         with torch.inference_mode():
             self._decode()  # allocates every layer's buffer before any capture
             try:
-                self._replay = _Replay(self._decode, self.graphs)
+                shape.replay = _Replay(self._decode, self.graphs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # a capture that fails names the op; eager still works
@@ -207,36 +242,47 @@ class StaticBatchEngine:
                     file=sys.stderr,
                 )
                 self.graphs = False
-                self._replay = _Replay(self._decode, False)
-        self.pos.zero_()
-        self._shape = (rows, length)
+                shape.replay = _Replay(self._decode, False)
+        shape.pos.zero_()
+        self._activate(shape)
         self.stats.builds += 1
         self.stats.shapes.append((rows, length))
+        return shape
 
     def _ensure(self, length: int, wanted: int) -> int:
-        """Build (or keep) a shape for `wanted` prompts of this cache length; its rows."""
-        enough = self._shape is not None and (
-            self._shape[0] >= min(self.max_rows, wanted) or self._memory_capped
-        )
-        if enough and self._shape is not None and self._shape[1] == length:
-            return self._shape[0]
-        self._release()
+        """Activate a shape for `wanted` prompts of this cache length, built once per length
+        and kept (the next round or window reuses its graph); its rows."""
+        need = min(self.max_rows, wanted)
+        shape = self._built.get(length)
+        if shape is not None and (shape.rows >= need or shape.capped):
+            self._activate(shape)
+            return shape.rows
+        if shape is not None:
+            self._drop([length])  # too few rows for this group: rebuilt bigger
+        t0 = time.perf_counter()
         rows = self._rows_for(length, wanted)
-        self._memory_capped = rows < min(self.max_rows, wanted)
+        if rows < need and self._built:  # other lengths' caches hold the memory: free them
+            self._drop(list(self._built))
+            rows = self._rows_for(length, wanted)
+        capped = rows < need
         while True:
             try:
-                self._build(rows, length)
-                return rows
+                shape = self._build(rows, length)
+                break
             except torch.OutOfMemoryError:
-                self._release()
+                self._drop(list(self._built))
                 if rows == 1:
                     raise DFlashError(
                         f"out of GPU memory building a 1-row cache of {length} positions; "
                         "lower --max-prompt-tokens or --max-new-tokens, or free the GPU"
                     ) from None
                 self.oom_splits += 1
-                self._memory_capped = True
+                capped = True
                 rows //= 2
+        shape.capped = capped
+        self._built[length] = shape
+        self.stats.build_s += time.perf_counter() - t0
+        return rows
 
     # --- forwards
 
@@ -347,7 +393,9 @@ class StaticBatchEngine:
                 self._refill(queue, free, live, prompts, keys, outs)
                 continue
             assert self._replay is not None
+            t0 = time.perf_counter()
             tok = self._replay().tolist()
+            t1 = time.perf_counter()
             self.stats.decode_steps += 1
             self.stats.row_steps += rows
             self.stats.row_steps_busy += len(live)
@@ -356,6 +404,8 @@ class StaticBatchEngine:
                 if self._done(outs[i]):
                     del live[slot]
                     free.append(slot)
+            self.stats.decode_s += t1 - t0
+            self.stats.host_s += time.perf_counter() - t1
 
     def _done(self, toks: list[int]) -> bool:
         return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
@@ -377,7 +427,9 @@ class StaticBatchEngine:
             while take and (len(chunk) + 1) * len(prompts[take[0]]) <= self.prefill_tokens:
                 chunk.append(take.pop(0))  # sorted by length: the last is the widest
             slots = [free.pop(0) for _ in chunk]
+            t0 = time.perf_counter()
             firsts = self._prefill(slots, [prompts[i] for i in chunk], [keys[i] for i in chunk])
+            self.stats.prefill_s += time.perf_counter() - t0
             for slot, i, t in zip(slots, chunk, firsts):
                 outs[i].append(t)
                 if self._done(outs[i]):
