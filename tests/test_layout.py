@@ -139,7 +139,7 @@ OUTSIDE = re.compile(
         ]
     )
 )
-STORY = re.compile(r"\b(?:" + "sess" + r"ion \d|" + "sitt" + r"ing|call \d)\b", re.IGNORECASE)
+STORY = re.compile(r"\b(?:" + "sess" + r"ions?|" + "sitt" + r"ings?|call \d)\b", re.IGNORECASE)
 
 
 def _text_files() -> list[Path]:
@@ -151,7 +151,9 @@ def _text_files() -> list[Path]:
     files += [p for p in (REPO / "src").rglob("*") if p.suffix in {".py", ".yaml"}]
     files += [p for p in (REPO / "benchmarks").rglob("*") if p.suffix in {".py", ".sh"}]
     files += [p for p in (REPO / "tests").rglob("*.py")]
-    return [p for p in files if p.is_file() and "results" not in p.relative_to(REPO).parts[:2]]
+    # Raw results and local benchmark output hold model answers, not the project's prose.
+    raw = {("benchmarks", "results"), ("benchmarks", "out")}
+    return [p for p in files if p.is_file() and p.relative_to(REPO).parts[:2] not in raw]
 
 
 def outside_references(files: list[Path]) -> list[str]:
