@@ -29,14 +29,14 @@ from dflash_trainer.eval.speculative import DFlashBlockDrafter
 from dflash_trainer.eval.walk import accepted_run, teacher_forced, walked_tau
 from dflash_trainer.formats.drafter_io import build_drafter
 from dflash_trainer.target.model import FrozenTarget, load_target_model
-from dflash_trainer.train.step import drafter_loss, prepare_blocks, run_target, settings_from_config
+from dflash_trainer.train.step import drafter_loss, prepare_blocks, run_target, settings_for_spec
 
 
 def split_metrics(
     data: PreparedDataset, n_docs: int, target: FrozenTarget, drafter: torch.nn.Module, cfg, seed
 ) -> dict[str, float]:
     spec = drafter.spec
-    st = settings_from_config(cfg, spec.mask_token_id, fixed_shapes=False)
+    st = settings_for_spec(cfg, spec, fixed_shapes=False)
     gen = torch.Generator().manual_seed(seed)
     budget = cfg.data.token_budget
     anchors = tau_sum = 0.0

@@ -1,4 +1,5 @@
-"""`dflash doctor` fails the seed's exact mistakes, naming the fields, and passes the recipes."""
+"""`dflash doctor` fails the common mistakes of a DFlash setup, naming the fields, and passes
+the recipes."""
 
 from __future__ import annotations
 
@@ -64,14 +65,14 @@ def test_published_recipe_passes():
     }
 
 
-def test_seed_bug1_copied_geometry_fails():
+def test_geometry_copied_from_the_target_fails():
     report = _doctor(
         ["drafter.num_attention_heads=24", "drafter.num_key_value_heads=4", "drafter.head_dim=256"]
     )
     msg = _failing(report, "geometry.copied")
     for field in ("drafter.num_attention_heads", "num_key_value_heads", "head_dim", "24/4/256"):
         assert field in msg
-    assert "32/8/128" in msg
+    assert "32/8/128" in msg and "its weights cannot load into it" in msg
 
 
 def test_copied_geometry_of_a_target_without_published_drafter_warns():
@@ -88,13 +89,14 @@ def test_copied_geometry_of_a_target_without_published_drafter_warns():
     report = run_doctor(cfg, hardware="h200", env={})
     (copied,) = report.get("geometry.copied")
     assert copied.status == "warn"
+    assert "bigger, slower drafter" in copied.message and "docs/algorithm.md" in copied.message
 
 
-def test_seed_llama_class_with_24_heads_on_hidden_5120_fails():
+def test_llama_class_with_24_heads_on_hidden_5120_fails():
     report = _doctor(["drafter.layer_class=llama", "drafter.num_attention_heads=24"])
     msg = _failing(report, "geometry.divisibility")
     assert "drafter.num_attention_heads" in msg and "drafter.layer_class=llama" in msg
-    assert "5120 % 24 = 8" in msg
+    assert "5120 % 24 = 8" in msg and "LlamaConfig rejects" in msg
 
 
 def test_target_layer_id_64_on_a_64_layer_target_fails():

@@ -90,7 +90,7 @@ def test_step_rejects_a_cache_of_the_wrong_length():
 
 
 def test_packed_forward_equals_per_document_forward():
-    """Seed "Bug 2": packing many documents into one forward changes nothing per document."""
+    """Packing many documents into one forward changes nothing per document."""
     torch.manual_seed(0)
     spec = make_spec(
         layers=2, block=4, layer_types=("sliding_attention", "full_attention"), window=5
@@ -125,7 +125,7 @@ def test_packed_forward_equals_per_document_forward():
 
 
 def test_positions_restart_per_document():
-    """Seed "Bug 5": a running position over the pack would give later documents other RoPE phases."""
+    """A running position over the pack would give later documents other RoPE phases."""
     torch.manual_seed(0)
     spec = make_spec(layers=1, block=4)
     model = DFlashDrafter(spec).double().eval()
@@ -146,7 +146,7 @@ def test_positions_restart_per_document():
 
 
 def test_noise_only_in_training_and_never_on_the_callers_features():
-    """Seed "Bug 3": U(-s, s) noise on the drafter's context input in train mode only."""
+    """U(-s, s) noise on the drafter's context input in train mode only."""
     torch.manual_seed(0)
     spec = make_spec(layers=1)
     model = DFlashDrafter(spec, noise_std=0.05)

@@ -19,13 +19,9 @@ from transformers import PreTrainedTokenizerFast
 from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.eval.evaluate import (
-    check_compatible,
-    evaluate_prompts,
-    render_prompt,
-    split_target,
-    stop_token_ids,
-)
+from dflash_trainer.eval.evaluate import evaluate_prompts
+from dflash_trainer.eval.loading import check_compatible, split_target
+from dflash_trainer.eval.prompt_run import render_prompt, stop_token_ids
 from dflash_trainer.eval.prompts import load_prompt_set
 from dflash_trainer.eval.report import (
     acceptance_metrics,

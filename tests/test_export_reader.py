@@ -1,7 +1,7 @@
 """Parity with an independent reader of the exported files.
 
 `reference_draft` below is written from the format description only (docs/formats.md,
-DFLASH_SPEC.md sections 2-3): plain torch ops over the tensors in model.safetensors
+docs/algorithm.md sections 1-2): plain torch ops over the tensors in model.safetensors
 and the numbers in config.json. It shares no code with the project's model class, so
 an export that differs from what `DFlashDrafter.step` computes (a swapped tensor, a
 wrong rope_theta, a window applied differently) makes these tests fail.

@@ -25,7 +25,7 @@ from dflash_trainer.train.fast_layout import (
 from dflash_trainer.train.fast_loss import fixed_shape_loss
 from dflash_trainer.train.fast_step import resolve_step_path
 from dflash_trainer.train.fast_target import TargetRunner
-from dflash_trainer.train.step import run_target, settings_from_config
+from dflash_trainer.train.step import run_target, settings_for_spec
 from dflash_trainer.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,7 +128,7 @@ def test_shared_rows_give_the_standard_features(tmp_path):
     assert tr.fast is not None
     hs = tr.fast.host_step(0, tr.position)
     docs, _ = tr._documents(tr.position)
-    st = settings_from_config(cfg, tr.spec.mask_token_id, True)
+    st = settings_for_spec(cfg, tr.spec, True)
     ref = run_target(tr.target, docs, st)
     shapes = tr.fast.shapes
     assert any(len(r.docs) > 1 for r in layout_rows([int(d[0].numel()) for d in docs], shapes))

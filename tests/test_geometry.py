@@ -20,7 +20,8 @@ def test_default_target_layer_ids_match_published_drafters():
 
 
 def test_qwen36_drafter_geometry_is_independent_of_the_target():
-    """Seed "Bug 1": the drafter must not inherit the target's 24/4/256 attention."""
+    """The drafter must not inherit the target's 24/4/256 attention (a bigger, slower drafter
+    that the published weights cannot load into)."""
     cfg = load_config(recipe="qwen3.6-27b")
     target = load_target_config(cfg.target)
     spec = resolve_drafter_spec(cfg.drafter, target)

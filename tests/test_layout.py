@@ -1,4 +1,5 @@
-"""The package's layout rules: no import cycles, and the DFlash core imports no stage above it.
+"""The package's layout rules: no import cycles, the DFlash core imports no stage above it,
+and code and documents point to nothing outside the repository.
 
 Imports are read from the source with `ast` (lazy imports inside functions count too: a cycle
 through a lazy import is still a cycle a reader has to untangle).
@@ -7,11 +8,13 @@ through a lazy import is still a cycle a reader has to untangle).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import dflash_trainer
 
 ROOT = Path(dflash_trainer.__file__).parent
+REPO = Path(__file__).resolve().parent.parent
 # Modules every stage may use: the config tree, the error type, asset names, the version.
 FOUNDATION = {
     "dflash_trainer",
@@ -120,3 +123,62 @@ def test_the_checks_can_fail(tmp_path):
     graph = import_graph(pkg)
     assert cycles(graph) == [["dflash_trainer.a", "dflash_trainer.b"]]
     assert "dflash_trainer.a" in graph["dflash_trainer.core.m"]
+
+
+# Documents a user of this repository does not have, and the story of how results were made
+# (which run, which sitting) instead of what they are. Spelled in pieces so that this file
+# does not match itself.
+OUTSIDE = re.compile(
+    "|".join(
+        [
+            "DFLASH" + "_SPEC",
+            "ASSETS" + r"\.md",
+            "(?i:design" + " repo)",
+            "(?i:seed" + r"""(?: "?bug| runs?\b|'s\b))""",
+            r"\((?i:seed): [A-Z]",
+        ]
+    )
+)
+STORY = re.compile(r"\b(?:" + "sess" + r"ions?|" + "sitt" + r"ings?|call \d)\b", re.IGNORECASE)
+
+
+def _text_files() -> list[Path]:
+    files = [
+        REPO / "README.md",
+        *(REPO / "docs").glob("*.md"),
+        *(REPO / "benchmarks").rglob("*.md"),
+    ]
+    files += [p for p in (REPO / "src").rglob("*") if p.suffix in {".py", ".yaml"}]
+    files += [p for p in (REPO / "benchmarks").rglob("*") if p.suffix in {".py", ".sh"}]
+    files += [p for p in (REPO / "tests").rglob("*.py")]
+    # Raw results and local benchmark output hold model answers, not the project's prose.
+    raw = {("benchmarks", "results"), ("benchmarks", "out")}
+    return [p for p in files if p.is_file() and p.relative_to(REPO).parts[:2] not in raw]
+
+
+def outside_references(files: list[Path]) -> list[str]:
+    found = []
+    for path in files:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if OUTSIDE.search(line) or (path.suffix == ".md" and STORY.search(line)):
+                found.append(f"{path}:{n}: {line.strip()}")
+    return found
+
+
+def test_nothing_points_outside_the_repository():
+    files = _text_files()
+    assert len(files) > 50, "the repository layout moved: update this test"
+    assert outside_references(files) == []
+
+
+def test_the_reference_check_can_fail(tmp_path):
+    planted = {
+        "a.md": "see the " + "seed" + " run's hyperparameters\n",
+        "b.py": "# copying it (" + "seed" + ' "Bug 1") is wrong\n',
+        "c.md": "measured in " + "sess" + "ion 6\n",
+    }
+    for name, text in planted.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "ok.py").write_text("torch.manual_seed(seed)  # a seed: int of the run\n")
+    found = outside_references(sorted(tmp_path.iterdir()))
+    assert [f.split(":")[0].rsplit("/", 1)[1] for f in found] == ["a.md", "b.py", "c.md"]

@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from dflash_trainer.cli import main
 from dflash_trainer.config import EvalConfig, config_from_dict
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
-from dflash_trainer.eval.evaluate import evaluate_prompts, render_prompt, stop_token_ids
+from dflash_trainer.eval.evaluate import evaluate_prompts
+from dflash_trainer.eval.prompt_run import render_prompt, stop_token_ids
 from dflash_trainer.eval.speculative import DFlashBlockDrafter, generate
 from dflash_trainer.formats.drafter_io import build_drafter
 from dflash_trainer.formats.export import export_drafter

@@ -84,7 +84,8 @@ def test_anchor_properties(docs, block, max_anchors, seed):
 
 
 def test_anchor_near_document_end_takes_nothing_from_the_next_document():
-    """Seed "Bug 4": the block of an anchor 2 tokens before its document's end."""
+    """The block of an anchor 2 tokens before its document's end: its labels, logits and
+    features must not come from the start of the next document."""
     ids = [torch.arange(10), torch.arange(100, 110)]
     masks = [torch.ones(10, dtype=torch.bool), torch.ones(10, dtype=torch.bool)]
     pack = pack_documents(ids, masks)

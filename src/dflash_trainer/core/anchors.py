@@ -9,7 +9,8 @@ replacement over all eligible positions of the pack, so documents get anchors in
 proportion to their supervised tokens. A slot whose position runs past its
 document's end, or lands on an unsupervised token, has no loss; its label index is
 clamped inside the document so that nothing (labels, target logits, features) is
-ever read from the next document (seed "Bug 4").
+ever read from the next document: a block near a document's end would otherwise be
+trained to predict the start of an unrelated document.
 """
 
 from __future__ import annotations

@@ -248,8 +248,8 @@ class DFlashDrafter(nn.Module):
     def project_context(self, features_TF: torch.Tensor) -> torch.Tensor:
         """hidden_norm(fc(features)), with U(-s, s) noise on the features in training only.
 
-        Noise goes on the drafter's *input* copy of the features (seed "Bug 3"); the
-        target's own outputs, which define the labels, are never touched.
+        Noise goes on the drafter's *input* copy of the features only: the target's own
+        outputs define the labels, and noise there would train towards perturbed labels.
         """
         if self.training and self.noise_std > 0:
             noise = torch.rand_like(features_TF).mul_(2 * self.noise_std).sub_(self.noise_std)

@@ -2,8 +2,9 @@
 
 Only three things must match the target: hidden_size (the drafter shares the target's
 embed_tokens and lm_head), vocab_size, and H_target (fc's input width). Attention
-geometry is the drafter's own: copying the target's (seed "Bug 1") gives a bigger,
-incompatible model, so it comes from a preset or explicit fields, never from the target.
+geometry is the drafter's own: copying the target's heads / KV heads / head dim gives a
+bigger, slower drafter that published drafter weights cannot load into, so it comes from
+a preset or explicit fields, never from the target (docs/algorithm.md section 1).
 
 `attention_geometry` is the one rule for heads / KV heads / head dim: training raises
 its first broken rule (via resolve_drafter_spec), `dflash doctor` reports all of them.
@@ -124,8 +125,8 @@ class AttentionGeometry:
 def attention_geometry(dcfg: DrafterConfig, hidden: int) -> AttentionGeometry:
     """Explicit fields win over the preset; a llama-class head_dim is hidden / heads.
 
-    Never the target's attention geometry: copying it (seed "Bug 1") gives a bigger model
-    that published drafter weights cannot load into.
+    Never the target's attention geometry: copying it gives a bigger, slower drafter that
+    published drafter weights cannot load into.
     """
     preset = GEOMETRY_PRESETS.get(dcfg.geometry or "", {})
     heads: int | None = dcfg.num_attention_heads or preset.get("num_attention_heads")

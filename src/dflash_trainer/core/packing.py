@@ -6,8 +6,8 @@ F = feature width, L = padded batch length.
 The target runs on a right-padded batch (recurrent layers must never see another
 document or left padding); this module strips that padding and concatenates the
 documents. Every packed token carries its document id and its position *inside its
-document*: positions restart at 0 for every document (seed "Bug 5": a running
-position over the pack gives every later document the wrong RoPE phases).
+document*: positions restart at 0 for every document (a running position over the
+pack would give every later document other RoPE phases than it sees at inference).
 Padding tokens get document id -1, so no rule that compares document ids can ever
 match them.
 """

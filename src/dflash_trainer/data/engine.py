@@ -45,8 +45,8 @@ import torch
 from dflash_trainer.data.grouped_decode import grouped_decode
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.eval.speculative import _cache_kwarg
 from dflash_trainer.eval.static_decode import _Replay, _SlotCache, static_support
+from dflash_trainer.eval.target_runner import cache_kwarg
 
 _M32 = 0xFFFFFFFF
 
@@ -179,7 +179,7 @@ class StaticBatchEngine:
         self.kv_fraction = kv_fraction
         self.settings = settings
         self.stop_set = set(stops)
-        self.cache_kwarg = _cache_kwarg(model)
+        self.cache_kwarg = cache_kwarg(model)
         impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.bool_mask = impl != "eager"
         self.calls = 0

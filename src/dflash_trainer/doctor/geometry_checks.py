@@ -90,8 +90,7 @@ def _divisibility(cfg: Config, hidden: int, g: AttentionGeometry) -> Check:
             "geometry.divisibility",
             "fail",
             f"drafter.layer_class=llama needs hidden_size % drafter.num_attention_heads == 0, "
-            f"but {hidden} % {g.heads} = {hidden % g.heads} (seed: LlamaConfig rejects 24 heads "
-            "on hidden 5120)",
+            f"but {hidden} % {g.heads} = {hidden % g.heads}: LlamaConfig rejects such a drafter",
             f"use drafter.layer_class=qwen3 (free head_dim), or a head count dividing {hidden}",
         )
     if "llama_head_dim" in g.broken:
@@ -158,8 +157,9 @@ def _copied_geometry(cfg: Config, t: Any, g: AttentionGeometry) -> list[Check]:
             Check(
                 "geometry.copied",
                 "warn",
-                f"{fields} = {th}/{tkv}/{thd} equal the target's: a copy (seed Bug 1) rather "
-                "than a choice; the drafter's attention geometry is its own",
+                f"{fields} = {th}/{tkv}/{thd} equal the target's: a copy rather than a choice; "
+                "the drafter's attention geometry is its own, and the target's head geometry "
+                "usually gives a bigger, slower drafter (docs/algorithm.md section 1)",
                 "choose it deliberately (e.g. drafter.geometry=qwen3) and keep it if intended",
             )
         ]
@@ -185,8 +185,8 @@ def _copied_geometry(cfg: Config, t: Any, g: AttentionGeometry) -> list[Check]:
         Check(
             "geometry.copied",
             "fail",
-            f"{fields} = {th}/{tkv}/{thd} copy the target {getattr(t, 'model_type', '')} "
-            f"(seed Bug 1): a different model than the {published['name']} "
+            f"{fields} = {th}/{tkv}/{thd} copy the target {getattr(t, 'model_type', '')}: "
+            f"a different model than the {published['name']} "
             f"({pub[0]}/{pub[1]}/{pub[2]}; {sizes}its weights cannot load into it)",
             f"set drafter.geometry=qwen3 (or {pub[0]}/{pub[1]}/{pub[2]} explicitly) and leave "
             "the target's attention geometry to the target",

@@ -1,4 +1,4 @@
-"""The doctor's checks of the training settings: the seed's recommended switches, the
+"""The doctor's checks of the training settings: the recommended switches, the
 compile caches of several processes, and whether a step fits in GPU memory (the
 planner's memory model, on the detected or given card).
 """
@@ -24,7 +24,8 @@ def check_training(cfg: Config, cuda_expected: bool) -> list[Check]:
             Check(
                 "training.noise",
                 "warn",
-                "training.noise_std=0: no noise on the context features (seed Bug 3)",
+                "training.noise_std=0: no noise on the drafter's copy of the context features "
+                "(the recipes train with 0.05; docs/algorithm.md section 3)",
                 "use training.noise_std=0.05",
             )
         )
@@ -33,7 +34,8 @@ def check_training(cfg: Config, cuda_expected: bool) -> list[Check]:
             Check(
                 "training.packing",
                 "warn",
-                "training.pack_documents=false: one drafter forward per document (seed Bug 2, ~4x slower)",
+                "training.pack_documents=false: one drafter forward per document, ~4x slower; "
+                "packing gives each document the same result (docs/algorithm.md section 3)",
                 "leave packing on except for benchmarks",
             )
         )
@@ -42,7 +44,8 @@ def check_training(cfg: Config, cuda_expected: bool) -> list[Check]:
             Check(
                 "training.compile",
                 "warn",
-                "training.compile=false on a GPU run: attention runs unfused (seed Bug 6), see memory.unfused",
+                "training.compile=false on a GPU run: attention runs unfused and materialises its "
+                "fp32 scores, see memory.unfused",
                 "leave training.compile unset (on with CUDA)",
             )
         )
@@ -71,8 +74,8 @@ def check_compile_cache(cfg: Config, world: int, hybrid: bool, env: dict[str, st
                 "compile.cache",
                 "warn",
                 f"{world} processes with training.compile=false share the Triton cache {shared}, "
-                "while the hybrid target's Triton kernels (fla) autotune in every rank (seed: "
-                "corrupted cache)",
+                "while the hybrid target's Triton kernels (fla) autotune in every rank: processes "
+                "writing one cache at once can corrupt it (docs/multi-gpu.md)",
                 "export a per-rank TRITON_CACHE_DIR (e.g. /tmp/triton-$LOCAL_RANK) or keep compile on",
             )
         ]
@@ -164,7 +167,7 @@ def check_memory(
 
 
 def _unfused(cfg: Config, drafter_gpu: GpuPlan) -> Check:
-    """Compile off runs unfused attention, whose fp32 scores may not fit (seed: OOM)."""
+    """Compile off runs unfused attention, whose fp32 scores may not fit in the backward."""
     if drafter_gpu.unfused_fits:
         return Check("memory.unfused", "pass", "even unfused attention would fit")
     need = f"{drafter_gpu.unfused_peak_gb:.0f} GB"
@@ -173,7 +176,8 @@ def _unfused(cfg: Config, drafter_gpu: GpuPlan) -> Check:
             "memory.unfused",
             "fail",
             f"training.compile=false: unfused attention materialises fp32 scores and needs "
-            f"{need} on the {drafter_gpu.role} GPU (seed: OOM in the unfused backward)",
+            f"{need} on the {drafter_gpu.role} GPU: the unfused backward runs out of memory "
+            "(docs/troubleshooting.md)",
             "set training.compile=true (fused FlexAttention)",
         )
     return Check(

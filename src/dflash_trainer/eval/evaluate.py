@@ -13,93 +13,32 @@ What is measured, per prompt set (docs/evaluation.md explains each number):
   between a B-token and a 1-token forward, not a loop bug).
 
 `evaluate_prompts` is what the trainer calls every eval_every steps; `run` is the CLI.
+The per-turn decoding is prompt_run.py; loading the drafter and target is loading.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import importlib
-import platform
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from dflash_trainer.config import EvalConfig, TargetConfig
+from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.geometry import DrafterSpec
-from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.loading import check_compatible, load_eval_models
+from dflash_trainer.eval.prompt_run import PromptRun, stop_token_ids
 from dflash_trainer.eval.prompts import Messages
-from dflash_trainer.eval.report import (
-    build_report,
-    lossless_check,
-    markdown,
-    summarize,
-    write_all,
-    write_json,
-)
-from dflash_trainer.eval.speculative import (
-    BlockDrafter,
-    DFlashBlockDrafter,
-    Generation,
-    generate,
-    unwrap_module,
-)
+from dflash_trainer.eval.report import build_report, markdown, summarize, write_all, write_json
+from dflash_trainer.eval.speculative import BlockDrafter, DFlashBlockDrafter, unwrap_module
 from dflash_trainer.eval.static_decode import DECODE_MODES, DecodeEngines
 from dflash_trainer.target.model import FrozenTarget
 
 # ----------------------------------------------------------------------------- the eval loop
-
-
-def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool) -> list[int]:
-    """Chat template with the generation prompt, tokenized without extra special tokens."""
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def stop_token_ids(tokenizer: Any, model: Any) -> list[int]:
-    """EOS of the tokenizer and of the model's generation config (an int or a list)."""
-    ids: set[int] = set()
-    for value in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-    ):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
-def check_compatible(spec: DrafterSpec, target: FrozenTarget) -> None:
-    """The target must be the one the drafter was trained on (shapes and tapped layers)."""
-    cfg = target.model.config.get_text_config()
-    have = {
-        "hidden_size": int(cfg.hidden_size),
-        "num_hidden_layers": int(cfg.num_hidden_layers),
-        "vocab_size": int(target.lm_head_weight.shape[0]),
-        "tapped layers": list(target.layer_ids),
-    }
-    want = {
-        "hidden_size": spec.target_hidden_size,
-        "num_hidden_layers": spec.num_target_hidden_layers,
-        "vocab_size": spec.vocab_size,
-        "tapped layers": list(spec.target_layer_ids),
-    }
-    bad = [f"{k}: target {have[k]}, drafter {want[k]}" for k in have if have[k] != want[k]]
-    if bad:
-        raise DFlashError(
-            "the drafter does not fit this target (" + "; ".join(bad) + "); evaluate it with "
-            "the target it was trained for (--target), built with the drafter's target_layer_ids"
-        )
 
 
 @contextlib.contextmanager
@@ -126,10 +65,6 @@ def _block_drafter(
         check_compatible(spec, target)
         return DFlashBlockDrafter(inner, target, block_size), inner
     return drafter, None
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def evaluate_prompts(
@@ -167,7 +102,7 @@ def evaluate_prompts(
     block, module = _block_drafter(drafter, target, block_size)
     engines = DecodeEngines(target, decode, module, block.block_size, block.needs_features)
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
-    run = _PromptRun(target, tokenizer, eval_cfg, engines, block, baseline, stops)
+    run = PromptRun(target, tokenizer, eval_cfg, engines, block, baseline, stops)
     with _eval_mode(module):
         if warmup and prompts:
             run.warm_up(prompts[0])
@@ -183,234 +118,6 @@ def evaluate_prompts(
         "decode": engines.mode,
         **summarize(run.responses, run.spec_gens, run.base_gens, block.block_size, run.greedy),
     }
-
-
-class _PromptRun:
-    """One evaluation's loops and results: each user turn decoded speculatively (and
-    target-only with `baseline`), answers fed back as the assistant turn."""
-
-    def __init__(
-        self,
-        target: FrozenTarget,
-        tokenizer: Any,
-        eval_cfg: EvalConfig,
-        engines: DecodeEngines,
-        block: BlockDrafter,
-        baseline: bool,
-        stops: list[int],
-    ) -> None:
-        self.target, self.tokenizer, self.eval_cfg = target, tokenizer, eval_cfg
-        self.engines, self.block, self.baseline = engines, block, baseline
-        self.greedy = eval_cfg.temperature == 0
-        self.kw: dict[str, Any] = {
-            "max_new_tokens": eval_cfg.max_new_tokens,
-            "temperature": eval_cfg.temperature,
-            "top_p": eval_cfg.top_p,
-            "stop_ids": stops,
-        }
-        self.spec_gens: list[Generation] = []
-        self.base_gens: list[Generation] = []
-        self.responses: list[dict[str, Any]] = []
-
-    def loops(self, ids: list[int], speculative: bool) -> dict[str, Any]:
-        """generate()'s drafter and runner for this prompt (both loops share the runner)."""
-        self.engines.ensure(len(ids) + self.eval_cfg.max_new_tokens + 2 * self.block.block_size)
-        d = (self.engines.drafter or self.block) if speculative else None
-        return {"drafter": d, "runner": self.engines.runner}
-
-    def warm_up(self, first: Messages) -> None:
-        """Decode the first prompt briefly with both loops, untimed (one-off costs)."""
-        upto = next((j for j, m in enumerate(first) if m["role"] == "user"), len(first))
-        ids = render_prompt(self.tokenizer, first[: upto + 1], self.eval_cfg.enable_thinking)
-        short = {**self.kw, "max_new_tokens": min(16, self.eval_cfg.max_new_tokens)}
-        for spec in (True, False) if self.baseline else (True,):
-            gen = _generator(self.target.device, 0)
-            generate(self.target, ids, generator=gen, **short, **self.loops(ids, spec))
-
-    def conversation(self, conversation: Messages, prompt_id: str) -> None:
-        history: Messages = []
-        for j, msg in enumerate(conversation):
-            history.append(dict(msg))
-            answered = j + 1 < len(conversation) and conversation[j + 1]["role"] == "assistant"
-            if msg["role"] != "user" or answered:
-                continue
-            rec = self.answer(history, prompt_id)
-            history.append({"role": "assistant", "content": rec["text"]})
-
-    def answer(self, history: Messages, prompt_id: str) -> dict[str, Any]:
-        """Decode one turn (and its baseline); its record is appended to `responses`."""
-        ids = render_prompt(self.tokenizer, history, self.eval_cfg.enable_thinking)
-        # One seed per response: the same turn samples alike in both runs.
-        seed = self.eval_cfg.seed + len(self.responses)
-        gen = _generator(self.target.device, seed)
-        g = generate(self.target, ids, generator=gen, **self.kw, **self.loops(ids, True))
-        self.spec_gens.append(g)
-        rec = _record(g, prompt_id, history)
-        if self.baseline:
-            gen = _generator(self.target.device, seed)
-            b = generate(
-                self.target,
-                ids,
-                generator=gen,
-                record_margins=self.greedy,
-                **self.kw,
-                **self.loops(ids, False),
-            )
-            self.base_gens.append(b)
-            rec["baseline"] = {
-                "new_tokens": len(b.tokens),
-                "prefill_s": b.prefill_s,
-                "decode_s": b.decode_s,
-            }
-            if self.greedy:
-                rec["lossless"] = lossless_check(g, b)
-        rec["text"] = self.tokenizer.decode(g.tokens, skip_special_tokens=True)
-        self.responses.append(rec)
-        return rec
-
-
-def _record(g: Generation, prompt_id: str, history: Messages) -> dict[str, Any]:
-    return {
-        "prompt": prompt_id,
-        "turn": sum(m["role"] == "user" for m in history) - 1,
-        "prompt_tokens": g.prompt_len,
-        "new_tokens": len(g.tokens),
-        "tau": sum(a + 1 for a in g.accepted) / len(g.accepted) if g.accepted else None,
-        "accepted": g.accepted,
-        "stop_reason": g.stop_reason,
-        "prefill_s": g.prefill_s,
-        "decode_s": g.decode_s,
-    }
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-@dataclass
-class EvalModels:
-    drafter: nn.Module
-    target: FrozenTarget
-    tokenizer: Any
-    identity: dict[str, Any]
-    """What was evaluated: drafter path/format/spec/fingerprint, target source/dtype/shape."""
-
-
-def split_target(name: str) -> tuple[str, str | None]:
-    """`DIR::FILE.gguf` or `path/FILE.gguf` -> (dir, file); anything else -> (name, None)."""
-    if "::" in name:
-        directory, gguf = name.split("::", 1)
-        return directory, gguf
-    if name.endswith(".gguf"):
-        path = Path(name)
-        return str(path.parent), path.name
-    return name, None
-
-
-def read_drafter(path: str) -> tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]:
-    """This project's files (run / checkpoint / drafter dir) or, through `export.import_drafter`
-    when that module is installed, a z-lab or speculators export."""
-    from dflash_trainer.formats.drafter_io import load_drafter
-
-    try:
-        export = importlib.import_module("dflash_trainer.formats.export")
-    except ImportError:
-        return load_drafter(path)
-    result: tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]] = export.import_drafter(
-        path
-    )
-    return result
-
-
-def _fingerprint(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the weights (sorted names, raw bytes): which drafter, beyond its path."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
-def _target_config(
-    meta: dict[str, Any], target: str | None, dtype: str | None, device: str
-) -> TargetConfig:
-    recorded = meta.get("target") or {}
-    if target is None:
-        if not recorded.get("name_or_path"):
-            raise DFlashError(
-                "the drafter records no target; pass --target NAME_OR_PATH (hub id, local dir, "
-                "asset:<name> or DIR::FILE.gguf)"
-            )
-        name, gguf = recorded["name_or_path"], recorded.get("gguf_file")
-    else:
-        name, gguf = split_target(target)
-    if dtype is None:
-        # bf16 matmuls on CPU are slow and not what a server runs: fp32 there.
-        dtype = "float32" if device == "cpu" else recorded.get("dtype") or "bfloat16"
-    return TargetConfig(name_or_path=name, gguf_file=gguf, dtype=dtype)  # type: ignore[arg-type]
-
-
-def load_eval_models(
-    drafter_path: str,
-    target: str | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-) -> EvalModels:
-    """Drafter (eval mode, fp32 weights cast to the target dtype), FrozenTarget, tokenizer."""
-    from dflash_trainer.core.drafter import DFlashDrafter
-    from dflash_trainer.data import load_tokenizer
-    from dflash_trainer.target.model import load_target_model
-
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    spec, state, meta = read_drafter(drafter_path)
-    tcfg = _target_config(meta, target, dtype, torch.device(dev).type)
-    model = load_target_model(tcfg, dev)
-    frozen = FrozenTarget(model, spec.target_layer_ids)
-    check_compatible(spec, frozen)
-    drafter = DFlashDrafter(spec)
-    try:
-        drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    except RuntimeError as e:
-        raise DFlashError(f"{drafter_path}: weights do not match the drafter spec ({e})") from e
-    drafter = drafter.to(device=dev, dtype=model.dtype).eval()
-    tok_spec = f"{tcfg.name_or_path}::{tcfg.gguf_file}" if tcfg.gguf_file else tcfg.name_or_path
-    tokenizer = load_tokenizer(tok_spec)
-    cfg = model.config.get_text_config()
-    identity = {
-        "drafter": {
-            "path": str(drafter_path),
-            "format": (meta.get("source") or {}).get("format", "dflash"),
-            "fingerprint": _fingerprint(state),
-            "spec": spec.to_dict(),
-            "meta": {k: v for k, v in meta.items() if k != "source"},
-        },
-        "target": {
-            "name_or_path": tcfg.name_or_path,
-            "gguf_file": tcfg.gguf_file,
-            "dtype": tcfg.dtype,
-            "class": type(model).__name__,
-            "num_hidden_layers": int(cfg.num_hidden_layers),
-            "hidden_size": int(cfg.hidden_size),
-            "vocab_size": int(cfg.vocab_size),
-        },
-        "environment": _environment(dev),
-    }
-    return EvalModels(drafter, frozen, tokenizer, identity)
-
-
-def _environment(device: str) -> dict[str, Any]:
-    import transformers
-
-    env = {
-        "device": device,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-    }
-    if torch.device(device).type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return env
 
 
 # ----------------------------------------------------------------------------- CLI

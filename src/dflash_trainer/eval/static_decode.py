@@ -25,7 +25,7 @@ graph, which is when the loop no longer needs them.
 
 Supported: attention-only targets without sliding windows, with sdpa or eager attention on
 one device (`static_support` says why a target is not). The others use the dynamic path,
-speculative.DynamicTargetRunner, which crops its cache and re-feeds recurrent layers.
+target_runner.DynamicTargetRunner, which crops its cache and re-feeds recurrent layers.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from torch import nn
 from dflash_trainer.core.drafter import sdpa_attention
 from dflash_trainer.core.masks import inference_mask
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.eval.speculative import DFlashBlockDrafter, _cache_kwarg, target_forward
+from dflash_trainer.eval.speculative import DFlashBlockDrafter
+from dflash_trainer.eval.target_runner import cache_kwarg, target_forward
 from dflash_trainer.target.model import FrozenTarget
 
 DECODE_MODES = ("auto", "graphs", "static", "eager")
@@ -168,7 +169,7 @@ def capacity_for(tokens: int, minimum: int = 1024) -> int:
 
 
 class StaticTargetRunner:
-    """`speculative.TargetRunner` over a `_SlotCache`; the (S, taps) shapes in `shapes` run
+    """`target_runner.TargetRunner` over a `_SlotCache`; the (S, taps) shapes in `shapes` run
     from static buffers (as CUDA graphs with `graphs`), any other forward (the prefill) runs
     eagerly against the same cache."""
 
@@ -185,7 +186,7 @@ class StaticTargetRunner:
         self.target = target
         self.capacity = capacity
         self.cache = _SlotCache(capacity)
-        self.cache_kwarg = _cache_kwarg(target.model)
+        self.cache_kwarg = cache_kwarg(target.model)
         dev = target.device
         self._cols = torch.arange(capacity, device=dev)
         self._bool_mask = getattr(target.model.config, "_attn_implementation", "sdpa") != "eager"

@@ -19,7 +19,8 @@ process's target over the GPUs it owns (accelerate), for a single process or pai
 
 Each rank compiles into its own Inductor/Triton cache directory, and ranks warm up
 one at a time (a barrier per rank), so no two processes or threads ever write one
-cache or share one autotuner (the seed's crash).
+cache or share one autotuner: two threads sharing an FLA/Triton autotuner or one Triton
+cache crash or corrupt it (docs/multi-gpu.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from dflash_trainer.core.anchors import (
     data_labels,
     sample_anchors,
 )
-from dflash_trainer.core.loss import decay_weights
+from dflash_trainer.core.loss import decay_slot_weights
 from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.core.packing import pack_documents
 from dflash_trainer.train.step import StepSettings, anchor_pad
@@ -87,7 +87,7 @@ def fast_shapes(
     st: StepSettings, doc_limit: int, multi_doc_rows: bool, chunk_tokens: int = CHUNK_TOKENS
 ) -> FastShapes:
     if st.fixed_ctx_len is None or not st.fixed_anchors:
-        raise ValueError("the fast step needs fixed shapes (settings_from_config(..., True))")
+        raise ValueError("the fast step needs fixed shapes (settings_for_spec(..., True))")
     n = anchor_pad(st)
     assert n is not None
     top = -(-doc_limit // ROW_MIN) * ROW_MIN
@@ -231,7 +231,7 @@ def prepare_host(
     valid = anchors.slot_valid_NB
     unit_weight = None
     if st.weighting == "decay":
-        unit_weight = float((decay_weights(st.block_size, st.gamma)[None, :] * valid).sum())
+        unit_weight = float(decay_slot_weights(valid, st.gamma).sum())
     rows = layout_rows([int(x.numel()) for x in ids], shapes)
     return HostStep(
         index=index,

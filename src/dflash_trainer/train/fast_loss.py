@@ -17,7 +17,7 @@ import torch
 
 from dflash_trainer.core.loss import (
     LossResult,
-    decay_weights,
+    decay_slot_weights,
     dpace_weights,
     fused_linear_loss,
 )
@@ -68,7 +68,7 @@ def fixed_shape_loss(
     if weighting == "dpace":
         w = dpace_weights(loss_NB.detach(), valid_NB, dpace_alpha)
     elif weighting == "decay":
-        w = decay_weights(b, gamma, hidden_NBH.device).to(loss_NB.dtype)[None, :] * valid_NB
+        w = decay_slot_weights(valid_NB, gamma, loss_NB.dtype)
     else:
         raise ValueError(f"unknown weighting {weighting!r}; use decay or dpace")
     denom = w.sum()

@@ -44,7 +44,7 @@ from dflash_trainer.train.fast_layout import (
 )
 from dflash_trainer.train.fast_loss import fixed_shape_loss
 from dflash_trainer.train.fast_target import TargetRunner
-from dflash_trainer.train.step import StepSettings, settings_from_config
+from dflash_trainer.train.step import StepSettings, settings_for_spec
 
 Trainer = Any
 """train.trainer.Trainer (not imported: it imports this module)."""
@@ -130,7 +130,8 @@ class FastStep:
     def __init__(self, trainer: Trainer, graphs: bool) -> None:
         self.tr = trainer
         cfg = trainer.cfg
-        self.st: StepSettings = settings_from_config(cfg, trainer.spec.mask_token_id, True)
+        # The trainer's own settings, always with fixed shapes (block size and mask from the spec).
+        self.st: StepSettings = settings_for_spec(cfg, trainer.spec, True)
         self.shapes = fast_shapes(
             self.st, cfg.data.doc_limit, True, cfg.training.target_chunk_tokens
         )

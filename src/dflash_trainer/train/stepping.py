@@ -76,8 +76,9 @@ class TargetPrefetcher:
 
     Only this thread ever runs the target (and its Triton/FLA kernels), and it starts
     after the first step has compiled and autotuned everything on the main thread, so
-    no autotuner or compile cache is ever used by two threads at once (the seed's
-    crash). The data order is the batcher's, so results equal the sequential path.
+    no autotuner or compile cache is ever used by two threads at once (two threads in one
+    FLA/Triton autotuner crash it). The data order is the batcher's, so results equal the
+    sequential path.
     """
 
     def __init__(self, trainer: Stepper) -> None:

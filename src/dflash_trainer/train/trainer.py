@@ -8,8 +8,9 @@ the ones before it:
   3. `_build_drafter`: the drafter, optionally from a published or exported drafter;
   4. `_build_parallelism`: data parallelism (DDP / FSDP2) around the drafter;
   5. `_build_compile`: whether to compile, fixed shapes, the step settings. Compilation
-     itself is *lazy*: FlexAttention is compiled on the first step, never here
-     (seed: compiling early corrupted caches);
+     itself is *lazy*: FlexAttention is compiled on the first step, where the ranks
+     take turns (distributed.one_rank_at_a_time), never here, where every rank would
+     compile and autotune at once;
   6. `_build_data`: prepared shards (prepared on first use), the token-budget batcher
      and the run's step count;
   7. `_build_optimizer`: optimizer and schedule (the schedule needs the step count);
