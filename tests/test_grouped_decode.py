@@ -9,7 +9,7 @@ from test_speculative import tiny_qwen3
 from transformers import DynamicCache
 
 from dflash_trainer.data.grouped_decode import NAME, grouped_decode, grouped_decode_attention
-from dflash_trainer.eval.speculative import _cache_kwarg
+from dflash_trainer.eval.target_runner import cache_kwarg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +39,7 @@ def test_a_decode_step_of_the_model_is_unchanged_and_the_switch_is_undone() -> N
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
 
     def step() -> torch.Tensor:
-        cache = {_cache_kwarg(model): DynamicCache(config=model.config)}
+        cache = {cache_kwarg(model): DynamicCache(config=model.config)}
         model(input_ids=ids[:, :-1], use_cache=True, **cache)
         mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
         mask[0, ..., :3] = False  # a row that ignores its first slots: masks must reach SDPA
