@@ -229,3 +229,15 @@ def test_non_finite_step_is_skipped_on_the_device(tmp_path):
     _, finite = tr.fast.optimizer_stage(torch.tensor(1.0))
     assert bool(finite)
     assert any(not torch.equal(v, before[k]) for k, v in tr.drafter.state_dict().items())
+
+
+def test_documents_past_the_pack_are_refused_on_the_host():
+    """A layout whose tokens end past ctx_len would index out of bounds inside a CUDA graph
+    (a device assert that poisons the process): refused before anything reaches the GPU."""
+    shapes = FastShapes(256, 64, (128, 256), 1024, True)
+    lengths = [100, 90, 80]
+    ids = [torch.full((n,), 1) for n in lengths]
+    starts = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()
+    with pytest.raises(ValueError, match="past the pack of 256"):
+        build_chunks(layout_rows(lengths, shapes), ids, starts, shapes)
+    assert build_chunks(layout_rows(lengths[:2], shapes), ids[:2], starts[:3], shapes)

@@ -149,6 +149,9 @@ class TargetChunk:
 def build_chunks(
     rows: list[Row], ids: Sequence[torch.Tensor], starts: Sequence[int], shapes: FastShapes
 ) -> list[TargetChunk]:
+    end = max((starts[d] + int(ids[d].numel()) for row in rows for d, _ in row.docs), default=0)
+    if end > shapes.ctx_len:  # on the GPU this would be an index assert inside a graph
+        raise ValueError(f"documents end at token {end}, past the pack of {shapes.ctx_len}")
     out: list[TargetChunk] = []
     for length in shapes.row_lengths:
         group = [r for r in rows if r.length == length]

@@ -146,6 +146,14 @@ class Trainer(Stepper):
         t = self.cfg.training
         dev = self.world.drafter_device
         self.compile = t.compile if t.compile is not None else dev.type == "cuda"
+        if self.compile and dev.type == "cuda" and self.spec.head_dim < 16:
+            # Compiled FlexAttention on CUDA has no kernel below 16 dimensions a head: say
+            # so now instead of an Inductor lowering error inside the first step.
+            raise DFlashError(
+                f"drafter head_dim {self.spec.head_dim} is below 16, the smallest compiled "
+                "FlexAttention supports on CUDA: set drafter.head_dim >= 16 (published drafters "
+                "use 64-128) or training.compile=false"
+            )
         if self.compile:
             D.set_compile_cache(self.run_dir, self.world.rank)
         self.fixed_shapes = self.compile and t.pack_documents
