@@ -165,6 +165,7 @@ class StaticBatchEngine:
         refill_rows: int | None = None,
         prefill_tokens: int | None = None,
         kv_fraction: float = 0.5,
+        prefill_align: int | None = None,
     ) -> None:
         why = static_support(model)
         if why is not None:
@@ -176,6 +177,7 @@ class StaticBatchEngine:
         self.max_rows = rows
         self.refill_rows = refill_rows
         self.prefill_tokens = prefill_tokens or (32768 if cuda else 4096)
+        self.prefill_align = prefill_align or (64 if cuda else 1)
         self.kv_fraction = kv_fraction
         self.settings = settings
         self.stop_set = set(stops)
@@ -327,6 +329,9 @@ class StaticBatchEngine:
     def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> list[int]:
         """Feed new prompts into cache rows `slots`; their first new tokens."""
         k, width = len(prompts), max(len(p) for p in prompts)
+        # Widths rounded up to a few values: every new prefill shape costs kernel selection
+        # (and attention plans) on a GPU; the extra columns are padding like any other.
+        width = min(-(-width // self.prefill_align) * self.prefill_align, self.length)
         ids = torch.full((k, width), self.pad_id, dtype=torch.long)
         pos = torch.empty((k, width), dtype=torch.long)
         real = torch.zeros((k, width), dtype=torch.bool)
