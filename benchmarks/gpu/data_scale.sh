@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Data at scale on one GPU: the SmolLM2 training set built from the decontaminated prompt
+# mixture plus prompts the target writes itself, every user turn answered by the target.
+#
+#   bash benchmarks/gpu/data_scale.sh
+#   PROMPTS=mix_prompts.jsonl SYNTH_N=40000 REGEN_SECONDS=0 bash benchmarks/gpu/data_scale.sh
+#
+# Steps: (1) the mixture's prompts (`dflash data prompts --sources smollm2-mix`, or PROMPTS if
+#   given: a file that command wrote); (2) SYNTH_N prompts sampled from the target
+#   (`dflash data synthesize`), decontaminated like the mixture (`dflash data prompts` over a
+#   one-source YAML); (3) `dflash data regenerate` of both, all turns, on the static engine;
+#   (4) `dflash data prepare`; (5) benchmarks/data_scale_report.py -> data_scale.json.
+# Inputs: the SmolLM2 asset package; for step 1 the corpora of docs/data-sources.md; the
+#   eval sets of docs/assets.md (decontamination).
+# Knobs: MODEL (asset:smollm2-135m-instruct), PROMPTS, SYNTH_N (20000), MAX_NEW_TOKENS (512),
+#   MAX_CONVERSATION_TOKENS (4096), REGEN_SECONDS (0 = to the end; SIGINT at the limit keeps
+#   every finished record and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale).
+# Outputs: $OUT/data_scale.json, $OUT/prompts.jsonl(.sources.json, .decontam.jsonl),
+#   $OUT/synth.jsonl(.report.json), $OUT/regen.jsonl, $OUT/prep/, $OUT/*.log
+# Runtime: regeneration dominates: useful tokens / engine tokens per second
+#   (benchmarks/small_target_speed_h200_202612.md).
+# Result document: benchmarks/data_scale_smollm2_h200_<date>.md
+source "$(dirname "$0")/../lib.sh"
+OUT="${OUT:-$REPO/benchmarks/out/data_scale}"
+MODEL="${MODEL:-asset:smollm2-135m-instruct}"
+SEED="${SEED:-0}"
+mkdir -p "$OUT"
+report_env | tee "$OUT/env.txt"
+start=$(date +%s)
+
+echo "== prompts"
+if [ -n "${PROMPTS:-}" ]; then
+  cp "$PROMPTS" "$OUT/prompts.jsonl"
+  for side in sources.json decontam.jsonl; do
+    [ -e "$PROMPTS.$side" ] && cp "$PROMPTS.$side" "$OUT/prompts.jsonl.$side"
+  done
+else
+  $DFLASH data prompts --sources smollm2-mix --seed "$SEED" --out "$OUT/prompts.jsonl" \
+    2>&1 | tee "$OUT/prompts.log"
+fi
+
+echo "== synthesize ${SYNTH_N:-20000} prompts"
+$DFLASH data synthesize --model "$MODEL" --n "${SYNTH_N:-20000}" --topics math,code,chat,writing \
+  --seed "$SEED" --device cuda --no-progress --out "$OUT/synth_raw.jsonl" 2>&1 | tee "$OUT/synth.log"
+printf 'sources:\n  - name: synth\n    path: %s\n    messages: messages\n' "$OUT/synth_raw.jsonl" \
+  > "$OUT/synth_source.yaml"
+$DFLASH data prompts --sources "$OUT/synth_source.yaml" --seed "$SEED" --out "$OUT/synth.jsonl" \
+  2>&1 | tee -a "$OUT/synth.log"
+
+echo "== regenerate (all turns)"
+cat "$OUT/prompts.jsonl" "$OUT/synth.jsonl" > "$OUT/all_prompts.jsonl"
+limit=()
+[ "${REGEN_SECONDS:-0}" -gt 0 ] && limit=(timeout -s INT "$REGEN_SECONDS")
+"${limit[@]}" $DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
+  --out "$OUT/regen.jsonl" --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
+  --max-conversation-tokens "${MAX_CONVERSATION_TOKENS:-4096}" --seed "$SEED" \
+  --device cuda --no-progress 2>&1 | tee "$OUT/regen.log" || true
+regen_s=$(($(date +%s) - start))
+
+echo "== prepare"
+$DFLASH data prepare --input "$OUT/regen.jsonl" --tokenizer "$MODEL" --out "$OUT/prep" \
+  --eval-fraction 0.01 --overwrite 2>&1 | tee "$OUT/prepare.log" | tail -n 30
+
+echo "== report"
+printf '{"model": "%s", "seed": %s, "seconds_to_regenerated": %s, "hardware": "%s"}\n' \
+  "$MODEL" "$SEED" "$regen_s" "$(head -n 1 "$OUT/env.txt")" > "$OUT/extra.json"
+"$PY" benchmarks/data_scale_report.py --regen "$OUT/regen.jsonl" \
+  --sidecar "$OUT/prompts.jsonl.sources.json" --prepared "$OUT/prep" \
+  --synth-report "$OUT/synth_raw.jsonl.report.json" --extra "$OUT/extra.json" \
+  --out "$OUT/data_scale.json"
+cat "$OUT/data_scale.json"
