@@ -180,7 +180,7 @@ def _existing(out: Path) -> dict[str, Any] | None:
     if marks[0] != FORMAT_NAME or marks[1] is not str or not isinstance(marks[2], dict):
         raise DFlashError(
             f"{mpath} is not the manifest of a dataset prepared by dflash (format "
-            f"{str(marks[0])[:40]!r}, expected {FORMAT_NAME!r}); {keep}"
+            f"{marks[0]!r:.40}, expected {FORMAT_NAME!r}); {keep}"
         )
     check_replaceable(out, _owned(manifest, mpath), "the prepared dataset its manifest lists")
     return manifest
