@@ -202,3 +202,20 @@ def test_remove_stale_on_a_missing_parent_is_a_no_op(tmp_path: Path) -> None:
     assert remove_stale(tmp_path / "nope") == []
     (tmp_path / "f").write_text("x")
     assert remove_stale(tmp_path / "f", "x") == []
+
+
+def test_the_current_directory_is_never_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+
+    def write(final: str) -> None:
+        with atomic_directory(final, replace=True):
+            pass
+
+    for final in (".", "..", str(here)):
+        with pytest.raises(DFlashError, match="is the current directory or holds it"):
+            write(final)
+    assert here.is_dir() and sorted(os.listdir(tmp_path)) == ["here"]

@@ -259,3 +259,15 @@ def test_resuming_over_a_foreign_output_file_is_a_clear_error(tmp_path: Path, li
     with pytest.raises(DFlashError, match=r"out\.jsonl: line 1 is not a synthesis record"):
         _read_lines(path, SynthSettings(model="tiny"))
     assert path.read_bytes() == line + b"\n"  # refused, not truncated
+
+
+def test_a_symlinked_out_is_reused_but_never_replaced(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    real = prepare_dataset(src, tiny_tokenizer(), tmp_path / "real")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert prepare_dataset(src, tiny_tokenizer(), link) == link  # the trainer's shared data
+    with pytest.raises(DFlashError, match="is a symbolic link"):
+        prepare_dataset(src, tiny_tokenizer(), link, eval_fraction=0.5, overwrite=True)
+    assert link.is_symlink() and read_manifest(real)["settings"]["eval_fraction"] == 0.02
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "link", "real"]

@@ -119,9 +119,11 @@ def check_replaceable(final: Path, ours: Callable[[str], bool], what: str) -> No
     `final` may be absent or an empty directory; a file, or a directory holding anything
     `ours` does not recognise, is an error that names the entries and deletes nothing.
     """
-    if not final.exists() and not final.is_symlink():
+    if final.is_symlink():  # replacing would replace the link, and leave its target as it is
+        raise DFlashError(f"{final} is a symbolic link; give the directory it points to")
+    if not final.exists():
         return
-    if not final.is_dir() or final.is_symlink():
+    if not final.is_dir():
         raise DFlashError(
             f"{final} exists and is not a directory; give a directory path for {what}"
         )
@@ -129,8 +131,8 @@ def check_replaceable(final: Path, ours: Callable[[str], bool], what: str) -> No
     if stray:
         shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
         raise DFlashError(
-            f"{final} also holds files that are not part of {what} ({shown}); nothing was deleted: "
-            "move them away or choose another directory"
+            f"{final} also holds files that are not part of {what} ({shown}); nothing was "
+            "deleted: move them away or choose another directory"
         )
 
 
@@ -143,7 +145,10 @@ def atomic_directory(
     `replace`: an existing `final` (checked by the caller to be replaceable) is swapped out;
     without it, an existing non-empty `final` is an error. The body must not keep files open.
     """
-    final = Path(final)
+    final = Path(os.path.abspath(final))  # `.` and `..` have no name to rename
+    cwd = Path(os.path.realpath(os.curdir))
+    if final.resolve() in (cwd, *cwd.parents):
+        raise DFlashError(f"{final} is the current directory or holds it; write to a new directory")
     parent = final.parent
     remove_stale(parent, final.name, log)
     tmp = parent / temp_name(final.name)
@@ -172,7 +177,7 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
             raise DFlashError(f"{final} appeared while it was being written; nothing replaced")
         old = final.parent / temp_name(final.name, "old")
         _ACTIVE.add(old)
-        os.replace(final, old)
+        os.replace(final, old)  # a symbolic link is moved as a link: its target stays
     try:
         os.replace(tmp, final)
     except OSError:
@@ -182,5 +187,8 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
         raise
     _fsync(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
         _ACTIVE.discard(old)

@@ -160,7 +160,8 @@ def _existing(out: Path) -> dict[str, Any] | None:
     """The manifest of the prepared dataset in `out`; None if `out` is absent or empty.
 
     Anything else is a DFlashError, and nothing is deleted: a file, a directory without a
-    manifest, a damaged manifest, a manifest this tool did not write, or extra files.
+    manifest, a damaged manifest, or a manifest this tool did not write. (Extra files are
+    checked by `_replaceable`, before a replacement: they do not stop a reuse.)
     """
     if not out.exists():
         return None
@@ -182,18 +183,24 @@ def _existing(out: Path) -> dict[str, Any] | None:
             f"{mpath} is not the manifest of a dataset prepared by dflash (format "
             f"{marks[0]!r:.40}, expected {FORMAT_NAME!r}); {keep}"
         )
-    check_replaceable(out, _owned(manifest, mpath), "the prepared dataset its manifest lists")
     return manifest
 
 
+def _replaceable(out: Path, manifest: dict[str, Any]) -> bool:
+    """False, after checking that `out` holds nothing but what its manifest's run wrote."""
+    check_replaceable(out, _owned(manifest, out / MANIFEST), "the prepared dataset it holds")
+    return False
+
+
 def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
-    """True if `out` already holds this exact preparation, intact."""
+    """True if `out` already holds this exact preparation, intact; False if it is to be
+    written (absent, empty, or ours to replace); a DFlashError if it may not be touched."""
     manifest = _existing(out)
     if manifest is None:
         return False
     if manifest.get("fingerprint") != fingerprint or manifest.get("version") != FORMAT_VERSION:
         if overwrite:
-            return False
+            return _replaceable(out, manifest)
         raise DFlashError(
             f"{out} holds data prepared from another source, tokenizer or settings; "
             "use another --out, or pass overwrite=True (--overwrite) to replace it"
@@ -203,7 +210,7 @@ def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
             PreparedDataset(out, split).verify()
     except (DFlashError, KeyError, TypeError, ValueError) as e:
         print(f"dflash data: {e}; rebuilding {out}", file=sys.stderr)
-        return False
+        return _replaceable(out, manifest)
     return True
 
 
