@@ -89,8 +89,10 @@ def report_counts(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iter
     out.write_text(json.dumps({"counts": counts, "skipped": dict(SKIPS.most_common())}, indent=1))
     line = f"data fuzz: {json.dumps(counts)}; skip reasons seen: {dict(SKIPS.most_common())}"
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"{line} ({out})")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # shown without -s too
+            reporter.write_line(f"\n{line} ({out})")
     else:
         print(line)
 

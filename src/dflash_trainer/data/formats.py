@@ -11,7 +11,9 @@ Formats (`fmt="auto"` picks one per record from its keys, so a mixed file also r
 A conversation is checked in a fixed order and the first failing check names the skip reason:
 schema (every turn), roles (every turn), empty turns (every turn), then structure (a system
 turn only first; leading assistant turns dropped; strict user/assistant alternation), then the
-presence of an assistant turn (or of a user turn, for regeneration), then duplicates.
+presence of an assistant turn (or of a user turn, for regeneration), then the text (a lone
+surrogate is `bad_utf8`), then duplicates. Each record is read through `guard.guard_record`,
+so whatever it raises is a counted skip, never the end of the read.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from dflash_trainer.data.guard import BadValue, guard_record
 from dflash_trainer.data.jsonio import HFDataset, iter_source_values
 from dflash_trainer.data.loading import resolve_source
 from dflash_trainer.data.records import Conversation, ReadReport, Record, Skip, TokenizedRow
-
-__all__ = ["FORMATS", "Skip", "detect_format", "normalise", "read_records"]
 
 FORMATS = ("auto", "sharegpt", "openai", "prompts", "tokenized", "chatterbot")
 

@@ -17,7 +17,8 @@ reasoning-gym's `codeio-hq.jsonl.gz` is one JSON array, `codeio.jsonl.gz` is JSO
 chitchat's `dataset.json` is one object mapping chat ids to records.
 
 A bad record is counted under a reason and skipped; a source that yields nothing, a missing
-file or a damaged gzip stream is an error naming the file (and the field) and the fix.
+file or a damaged gzip stream is an error naming the file (and the field) and the fix (the
+record / file rule of `guard`).
 """
 
 from __future__ import annotations
