@@ -82,7 +82,7 @@ def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     try:
         deadline = time.time() + 90
         while time.time() < deadline:
-            partial = list(root.glob(".tmp-*/step_00000002/drafter.safetensors"))
+            partial = list(root.glob(".step_00000002.tmp-*/drafter.safetensors"))
             if partial:
                 break
             time.sleep(0.1)
@@ -95,7 +95,7 @@ def test_kill_9_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path):
     ck = Checkpointer(str(root))  # also removes the dead save's temporary directory
     assert ck.latest() == "step_00000001"
     assert ck.list() == ["step_00000001"]
-    assert not list(root.glob(".tmp-*"))
+    assert not list(root.glob(".*tmp-*"))
     assert ck.load().trainer_state["step"] == 1
 
 

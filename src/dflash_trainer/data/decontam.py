@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.data.jsonio import BadValue
+from dflash_trainer.data.guard import BadValue
 from dflash_trainer.data.loading import resolve_source
-from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.records import SKIP_REASONS, Conversation
 from dflash_trainer.data.sources import iter_values
 from dflash_trainer.errors import DFlashError
 
@@ -52,22 +52,30 @@ class Match:
 
 
 def _strings(value: Any) -> Iterator[str]:
-    """Every string inside a JSON value (n-grams never span two strings)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
+    """Every string inside a JSON value, in order (n-grams never span two strings).
+
+    A stack, not recursion: a value nested as deep as the JSON decoder allows is still walked.
+    """
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, list):
+            stack.extend(reversed(v))
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
 
 
 def _eval_records(path: Path, label: str) -> Iterator[tuple[str, Any]]:
     for key, value in iter_values(path):
         if isinstance(value, BadValue):
             # A record we cannot read is one we cannot protect: refuse rather than under-check.
-            raise DFlashError(f"eval file {path}: record {key} is not valid JSON; fix the file")
+            why = "is not valid JSON" if value.reason == "bad_json" else "cannot be read"
+            raise DFlashError(
+                f"eval file {path}: record {key} {why} ({value.reason}: "
+                f"{SKIP_REASONS[value.reason]}); fix the file"
+            )
         rid = key
         if isinstance(value, dict):
             for k in ("id", "question_id", "task_id"):

@@ -11,7 +11,9 @@ Formats (`fmt="auto"` picks one per record from its keys, so a mixed file also r
 A conversation is checked in a fixed order and the first failing check names the skip reason:
 schema (every turn), roles (every turn), empty turns (every turn), then structure (a system
 turn only first; leading assistant turns dropped; strict user/assistant alternation), then the
-presence of an assistant turn (or of a user turn, for regeneration), then duplicates.
+presence of an assistant turn (or of a user turn, for regeneration), then the text (a lone
+surrogate is `bad_utf8`), then duplicates. Each record is read through `guard.guard_record`,
+so whatever it raises is a counted skip, never the end of the read.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.data.jsonio import BadValue, HFDataset, iter_source_values
+from dflash_trainer.data.guard import BadValue, guard_record
+from dflash_trainer.data.jsonio import HFDataset, iter_source_values
 from dflash_trainer.data.loading import resolve_source
-from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
+from dflash_trainer.data.records import Conversation, ReadReport, Record, Skip, TokenizedRow
 
 FORMATS = ("auto", "sharegpt", "openai", "prompts", "tokenized", "chatterbot")
 
@@ -38,14 +41,6 @@ ROLE_ALIASES: dict[str, str] = {
     "model": "assistant",
 }
 PROMPT_KEYS = ("prompt", "text", "question", "instruction")
-
-
-class Skip(Exception):
-    """A record is skipped; `reason` is a key of records.SKIP_REASONS."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def detect_format(value: Any) -> str | None:
@@ -171,6 +166,8 @@ def normalise_tokenized(value: Any) -> tuple[list[int], list[bool]]:
         raise Skip("bad_schema")
     if not all(type(t) is int for t in ids) or not all(m in (0, 1) for m in mask):
         raise Skip("bad_schema")
+    if not all(0 <= t < 2**31 for t in ids):  # outside every vocabulary (and int32)
+        raise Skip("bad_tokens")
     if not any(mask):
         raise Skip("no_supervised_tokens")
     return ids, [bool(m) for m in mask]
@@ -184,6 +181,13 @@ def _record_id(value: Any, name: str) -> str:
             if isinstance(rid, str | int) and not isinstance(rid, bool):
                 return str(rid)
     return name
+
+
+def checked(record: Record, repairs: list[str]) -> tuple[Record, list[str], str]:
+    """(record, repairs, content hash); text that cannot be written as UTF-8 (a lone
+    surrogate, in the content or the id) raises UnicodeEncodeError, which guard counts."""
+    record.id.encode("utf-8")
+    return record, repairs, record.content_hash
 
 
 def normalise(value: Any, fmt: str, require_assistant: bool, name: str) -> tuple[Record, list[str]]:
@@ -234,15 +238,16 @@ def read_records(
         if max_records is not None and report.records >= max_records:
             return
         if isinstance(value, BadValue):
-            report.skip("bad_json")
+            report.skip(value.reason)
             report.damaged_bytes += value.nbytes
             continue
-        try:
-            record, repairs = normalise(value, fmt, require_assistant, name)
-        except Skip as s:
-            report.skip(s.reason)
+        outcome = guard_record(
+            lambda: checked(*normalise(value, fmt, require_assistant, name))  # noqa: B023
+        )
+        if isinstance(outcome, Skip):
+            report.skip(outcome.reason, outcome.error)
             continue
-        h = record.content_hash
+        record, repairs, h = outcome
         if h in seen_hashes:
             report.skip("duplicate")
             continue

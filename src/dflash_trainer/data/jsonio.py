@@ -7,7 +7,8 @@ decodes to something that looks like a record (a dict with a record key such as 
 so the inner objects of a damaged record (its turns) are not mistaken for records. One damaged
 region counts as one `bad_json` record: how many records it held cannot be known.
 
-The whole `.json` file is read into memory (a 125 MB file is fine); JSON Lines stream.
+The whole `.json` file is read into memory (a 125 MB file is fine); JSON Lines stream. What a
+failure means (a counted skip, or an error naming the file) is decided in `guard`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.data.guard import BadValue, check_bom, decode_json, guard_file, nbytes
 from dflash_trainer.errors import DFlashError
 
 RECORD_KEYS = frozenset(
@@ -36,22 +38,21 @@ _SKIP_WS_COMMAS = re.compile(r"[\s,]*")
 _SKIP_WS = re.compile(r"\s*")
 
 
-class BadValue:
-    """Marks an undecodable value; the reader counts it as `bad_json` and moves on."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-
 def looks_like_record(value: Any) -> bool:
     return isinstance(value, dict) and not RECORD_KEYS.isdisjoint(value)
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    # errors="replace": an invalid UTF-8 byte damages one character, not the record.
-    if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+def _open_text(path: Path) -> io.TextIOWrapper:
+    """Text of a (gzipped) file. surrogateescape: an invalid UTF-8 byte damages only the record
+    holding it (`bad_utf8`), it is not silently replaced; a UTF-8 byte-order mark is skipped."""
+    raw: Any = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    try:
+        skip = check_bom(raw.read(4), path)
+        raw.seek(skip)
+    except BaseException:
+        raw.close()
+        raise
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape")
 
 
 def _resync(text: str, start: int, decoder: json.JSONDecoder) -> tuple[int, Any] | None:
@@ -60,7 +61,7 @@ def _resync(text: str, start: int, decoder: json.JSONDecoder) -> tuple[int, Any]
     while pos != -1:
         try:
             value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # damaged, too long a number, too deep
             pos = text.find("{", pos + 1)
             continue
         if looks_like_record(value):
@@ -85,14 +86,15 @@ def iter_json_text(text: str) -> Iterator[Any]:
         if in_array and text[i] == "]":
             tail = text[i + 1 :].strip()
             if tail:
-                yield BadValue(len(tail.encode("utf-8")))
+                yield BadValue(nbytes(tail))
             return
         try:
             value, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError) as e:
             found = _resync(text, i + 1, decoder)
             stop = found[0] if found is not None else n
-            yield BadValue(len(text[i:stop].encode("utf-8")))
+            reason = "too_deep" if isinstance(e, RecursionError) else "bad_json"
+            yield BadValue(nbytes(text[i:stop]), reason)
             if found is None:
                 return
             i = found[0]
@@ -103,26 +105,32 @@ def iter_json_text(text: str) -> Iterator[Any]:
 def iter_jsonl(path: Path) -> Iterator[Any]:
     with _open_text(path) as f:
         for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                yield BadValue(len(line.encode("utf-8")))
+            if line.strip():
+                yield decode_json(line)
 
 
 def iter_yaml(path: Path) -> Iterator[Any]:
-    """ChatterBot corpus files: `conversations: [[user, bot, user, ...], ...]`."""
+    """ChatterBot corpus files: `conversations: [[user, bot, user, ...], ...]`.
+
+    The file is one value: if it does not decode (or is not UTF-8) it counts as one bad record.
+    """
     import yaml
 
+    data = path.read_bytes()
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError:
-        yield BadValue(path.stat().st_size)
+        doc = yaml.safe_load(data[check_bom(data[:4], path) :].decode("utf-8"))
+    except UnicodeDecodeError:
+        yield BadValue(len(data), "bad_utf8")
+        return
+    except RecursionError:
+        yield BadValue(len(data), "too_deep")
+        return
+    except (yaml.YAMLError, ValueError, OverflowError):  # syntax, or a value like 2001-02-30
+        yield BadValue(len(data))
         return
     convs = doc.get("conversations") if isinstance(doc, dict) else None
     if not isinstance(convs, list):
-        yield BadValue(path.stat().st_size)
+        yield BadValue(len(data))
         return
     yield from convs
 
@@ -184,5 +192,5 @@ def iter_source_values(source: Path | HFDataset) -> Iterator[tuple[str, Any]]:
             yield f"{source.name}:{i}", row
         return
     for path in input_files(source):
-        for i, value in enumerate(iter_file_values(path)):
+        for i, value in enumerate(guard_file(path, iter_file_values(path))):
             yield f"{path.name}:{i}", value

@@ -2,27 +2,31 @@
 
 Idempotent: the manifest stores a fingerprint of (source content, tokenizer, settings); calling
 again with the same inputs returns the existing directory after checking its checksums, so the
-trainer can call it on every start. Atomic: everything is written to a temporary sibling
-directory that is renamed into place at the end, so a killed run never leaves a directory that
-looks prepared but is not.
+trainer can call it on every start. Atomic (atomic_dir): everything is written to a temporary
+sibling directory that is renamed into place at the end, so a killed run never leaves a
+directory that looks prepared but is not, and the next run removes what it left.
+
+Never deletes what it did not write: an existing `out_dir` is replaced (with `overwrite`, or
+when its shards are damaged) only if its manifest carries this tool's format marker and fields
+and the directory holds nothing but the manifest, the statistics and the shards it lists.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dflash_trainer.atomic_dir import atomic_directory, check_replaceable, remove_stale
 from dflash_trainer.data.formats import Skip, read_records
+from dflash_trainer.data.guard import FILE_ERRORS, file_error
 from dflash_trainer.data.jsonio import HFDataset, input_files
 from dflash_trainer.data.loading import load_tokenizer, resolve_source
 from dflash_trainer.data.mixture import SourceTally, read_sidecar
@@ -34,6 +38,7 @@ from dflash_trainer.data.shards import (
     MANIFEST,
     PreparedDataset,
     ShardWriter,
+    load_manifest,
     sha256_file,
 )
 from dflash_trainer.data.split import split_of
@@ -42,18 +47,26 @@ from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
 from dflash_trainer.errors import DFlashError
 
 SPLITS = ("train", "eval")
+PREPARED_FILES = frozenset({MANIFEST, "stats.txt", "stats.json", "lengths.png"})
 
 
 def _source_identity(resolved: Path | HFDataset) -> dict[str, Any]:
     if isinstance(resolved, HFDataset):
         return {"hf_dataset": resolved.name}
     root = resolved if resolved.is_dir() else resolved.parent
-    return {
-        "files": [
-            {"name": str(p.relative_to(root)), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in input_files(resolved)
-        ]
-    }
+    files = []
+    for p in input_files(resolved):
+        try:
+            files.append(
+                {
+                    "name": str(p.relative_to(root)),
+                    "bytes": p.stat().st_size,
+                    "sha256": sha256_file(p),
+                }
+            )
+        except FILE_ERRORS as e:
+            raise file_error(p, e) from e
+    return {"files": files}
 
 
 def _tokenizer_identity(tokenizer: Any, chat: ChatTemplate) -> dict[str, Any]:
@@ -100,22 +113,94 @@ def _templated(
             yield r, next(docs)
 
 
-def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
-    """True if `out` already holds this exact preparation, intact."""
+@dataclass(frozen=True)
+class _Inputs:
+    """What a preparation is made from; `fingerprint` identifies it in the manifest."""
+
+    source: str | Path
+    resolved: Path | HFDataset
+    tokenizer_spec: str | None
+    tok: Any
+    chat: ChatTemplate
+    settings: dict[str, Any]
+    source_id: dict[str, Any]
+    tok_id: dict[str, Any]
+    fingerprint: str
+
+
+def _inputs(
+    source: str | Path, tokenizer: Any, template_kwargs: dict[str, Any] | None, settings: dict
+) -> _Inputs:
+    resolved = resolve_source(source)
+    tok = load_tokenizer(tokenizer)
+    chat = ChatTemplate.probe(tok, **(template_kwargs or {}))
+    source_id = _source_identity(resolved)
+    tok_id = _tokenizer_identity(tok, chat)
+    spec = str(tokenizer) if isinstance(tokenizer, str | Path) else None
+    fingerprint = _fingerprint(FORMAT_VERSION, source_id, tok_id, settings)
+    return _Inputs(source, resolved, spec, tok, chat, settings, source_id, tok_id, fingerprint)
+
+
+# ---------------------------------------------------------------- what --out already holds
+
+
+def _owned(manifest: dict[str, Any], mpath: Path) -> Callable[[str], bool]:
+    """Which entry names of the directory this manifest's preparation wrote."""
+    try:
+        shards = {e["name"] for split in manifest["splits"].values() for e in split["shards"]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise DFlashError(
+            f"{mpath}: the manifest's `splits` are damaged ({type(e).__name__}: {e}); its "
+            "directory is not deleted: move it away or choose another --out"
+        ) from e
+    return lambda name: name in PREPARED_FILES or name in shards
+
+
+def _existing(out: Path) -> dict[str, Any] | None:
+    """The manifest of the prepared dataset in `out`; None if `out` is absent or empty.
+
+    Anything else is a DFlashError, and nothing is deleted: a file, a directory without a
+    manifest, a damaged manifest, or a manifest this tool did not write. (Extra files are
+    checked by `_replaceable`, before a replacement: they do not stop a reuse.)
+    """
     if not out.exists():
-        return False
+        return None
+    if not out.is_dir():
+        raise DFlashError(f"--out {out} is a file; give a directory path (it is created)")
+    if not any(out.iterdir()):
+        return None
     mpath = out / MANIFEST
+    keep = f"{out} is not deleted, even with --overwrite: move it away or choose another --out"
     if not mpath.is_file():
-        if any(out.iterdir()):
-            raise DFlashError(
-                f"{out} exists and is not a prepared dataset; choose another --out "
-                "(it is never deleted automatically)"
-            )
+        raise DFlashError(
+            f"{out} exists and is not a prepared dataset; choose another --out "
+            "(it is never deleted automatically)"
+        )
+    manifest = load_manifest(mpath, keep)
+    marks = (manifest.get("format"), type(manifest.get("fingerprint")), manifest.get("splits"))
+    if marks[0] != FORMAT_NAME or marks[1] is not str or not isinstance(marks[2], dict):
+        raise DFlashError(
+            f"{mpath} is not the manifest of a dataset prepared by dflash (format "
+            f"{marks[0]!r:.40}, expected {FORMAT_NAME!r}); {keep}"
+        )
+    return manifest
+
+
+def _replaceable(out: Path, manifest: dict[str, Any]) -> bool:
+    """False, after checking that `out` holds nothing but what its manifest's run wrote."""
+    check_replaceable(out, _owned(manifest, out / MANIFEST), "the prepared dataset it holds")
+    return False
+
+
+def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
+    """True if `out` already holds this exact preparation, intact; False if it is to be
+    written (absent, empty, or ours to replace); a DFlashError if it may not be touched."""
+    manifest = _existing(out)
+    if manifest is None:
         return False
-    manifest = json.loads(mpath.read_text())
     if manifest.get("fingerprint") != fingerprint or manifest.get("version") != FORMAT_VERSION:
         if overwrite:
-            return False
+            return _replaceable(out, manifest)
         raise DFlashError(
             f"{out} holds data prepared from another source, tokenizer or settings; "
             "use another --out, or pass overwrite=True (--overwrite) to replace it"
@@ -123,10 +208,70 @@ def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
     try:
         for split in manifest["splits"]:
             PreparedDataset(out, split).verify()
-    except DFlashError as e:
+    except (DFlashError, KeyError, TypeError, ValueError) as e:
         print(f"dflash data: {e}; rebuilding {out}", file=sys.stderr)
-        return False
+        return _replaceable(out, manifest)
     return True
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _write_documents(
+    root: Path, inp: _Inputs, batch_size: int
+) -> tuple[ReadReport, SourceTally, dict[str, list[dict[str, Any]]]]:
+    """Read, template and shard every record; the counts and each split's shard entries."""
+    settings = inp.settings
+    report = ReadReport(source=str(inp.source))
+    tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
+    writers = {s: ShardWriter(root, s, settings["shard_tokens"]) for s in SPLITS}
+    records = read_records(
+        inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
+    )
+    max_tokens = settings["max_tokens"]
+    for batch in _batches(records, batch_size):
+        for record, doc in _templated(batch, inp.chat, len(inp.tok)):
+            if isinstance(doc, Skip) or (
+                max_tokens is not None and len(doc.input_ids) > max_tokens
+            ):
+                reason = doc.reason if isinstance(doc, Skip) else "too_long"
+                report.reject(reason)
+                tally.reject(record.id, reason)
+                continue
+            tally.add(record.id, len(doc.input_ids), int(doc.loss_mask.sum()))
+            for kind in doc.repairs:
+                report.repair(kind)
+            doc_id = record.content_hash
+            split = split_of(doc_id, settings["eval_fraction"])
+            writers[split].add(doc_id, doc.input_ids, doc.loss_mask)
+    return report, tally, {s: w.close() for s, w in writers.items()}
+
+
+def _manifest(
+    inp: _Inputs, report: ReadReport, tally: SourceTally, entries: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    resolved = inp.resolved
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "fingerprint": inp.fingerprint,
+        "created_unix": int(time.time()),
+        "source": {"spec": str(inp.source), "resolved": str(resolved), **inp.source_id},
+        "tokenizer": {"spec": inp.tokenizer_spec} | inp.tok_id,
+        "settings": inp.settings,
+        "read_report": report.to_dict(),
+        "sources": tally.to_dict(),
+        "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
+        "splits": {
+            s: {
+                "documents": sum(e["documents"] for e in entries[s]),
+                "tokens": sum(e["tokens"] for e in entries[s]),
+                "supervised_tokens": sum(e["supervised_tokens"] for e in entries[s]),
+                "shards": entries[s],
+            }
+            for s in SPLITS
+        },
+    }
 
 
 def prepare_dataset(
@@ -153,9 +298,7 @@ def prepare_dataset(
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     t0 = time.perf_counter()
     out = Path(out_dir)
-    resolved = resolve_source(source)
-    tok = load_tokenizer(tokenizer)
-    chat = ChatTemplate.probe(tok, **(template_kwargs or {}))
+    remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
     settings = {
         "fmt": fmt,
         "max_records": max_records,
@@ -163,73 +306,21 @@ def prepare_dataset(
         "eval_fraction": eval_fraction,
         "shard_tokens": shard_tokens,
     }
-    source_id = _source_identity(resolved)
-    tok_id = _tokenizer_identity(tok, chat)
-    fingerprint = _fingerprint(FORMAT_VERSION, source_id, tok_id, settings)
-    if _reuse(out, fingerprint, overwrite):
+    inp = _inputs(source, tokenizer, template_kwargs, settings)
+    if _reuse(out, inp.fingerprint, overwrite):
         return out
-
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        report = ReadReport(source=str(source))
-        tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
-        writers = {s: ShardWriter(tmp, s, shard_tokens) for s in SPLITS}
-        records = read_records(
-            resolved, fmt, report, require_assistant=True, max_records=max_records
-        )
-        for batch in _batches(records, batch_size):
-            for record, doc in _templated(batch, chat, len(tok)):
-                if isinstance(doc, Skip):
-                    report.reject(doc.reason)
-                    tally.reject(record.id, doc.reason)
-                elif max_tokens is not None and len(doc.input_ids) > max_tokens:
-                    report.reject("too_long")
-                    tally.reject(record.id, "too_long")
-                else:
-                    tally.add(record.id, len(doc.input_ids), int(doc.loss_mask.sum()))
-                    for kind in doc.repairs:
-                        report.repair(kind)
-                    doc_id = record.content_hash
-                    writers[split_of(doc_id, eval_fraction)].add(
-                        doc_id, doc.input_ids, doc.loss_mask
-                    )
-        entries = {s: w.close() for s, w in writers.items()}
+    with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
+        report, tally, entries = _write_documents(tmp, inp, batch_size)
         if report.kept == 0:
             raise DFlashError(
                 f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "
                 "answers first with `dflash data regenerate`)"
             )
-        manifest: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "fingerprint": fingerprint,
-            "created_unix": int(time.time()),
-            "source": {"spec": str(source), "resolved": str(resolved), **source_id},
-            "tokenizer": {"spec": str(tokenizer) if isinstance(tokenizer, str | Path) else None}
-            | tok_id,
-            "settings": settings,
-            "read_report": report.to_dict(),
-            "sources": tally.to_dict(),
-            "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
-            "splits": {
-                s: {
-                    "documents": sum(e["documents"] for e in entries[s]),
-                    "tokens": sum(e["tokens"] for e in entries[s]),
-                    "supervised_tokens": sum(e["supervised_tokens"] for e in entries[s]),
-                    "shards": entries[s],
-                }
-                for s in SPLITS
-            },
-        }
+        manifest = _manifest(inp, report, tally, entries)
         _write_json(tmp / MANIFEST, manifest)
         _write_stats(tmp, budget)
         manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
         _write_json(tmp / MANIFEST, manifest)
-        _publish(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 
@@ -248,14 +339,3 @@ def _write_stats(root: Path, budget: int) -> None:
             plot_lengths(ds.lengths, root / "lengths.png", budget, "train document lengths")
     (root / "stats.txt").write_text("\n\n".join(texts) + "\n")
     _write_json(root / "stats.json", stats)
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename into place; an existing (replaced) directory is moved aside first, then removed."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)

@@ -34,6 +34,10 @@ SKIP_REASONS: dict[str, str] = {
     "template_error": "the chat template raised an error on this conversation",
     "mask_mismatch": "the assistant spans found in the render are inconsistent",
     "too_long": "more tokens than the max_tokens limit",
+    "bad_utf8": "the text is not valid UTF-8 (invalid bytes or lone surrogate escapes)",
+    "too_deep": "the JSON value is nested deeper than the decoder's recursion limit",
+    "record_error": "reading the record raised an unexpected error (its type is listed under "
+    "`errors`; please report it)",
 }
 
 REPAIRS: dict[str, str] = {
@@ -43,6 +47,18 @@ REPAIRS: dict[str, str] = {
     "duplicate_id_renamed": "a record id already used by a different conversation got a suffix",
     "boundary_token_merged": "the first token of an assistant turn also holds header characters",
 }
+
+
+class Skip(Exception):
+    """A record is skipped; `reason` is a key of SKIP_REASONS (or of a reader's own reasons).
+
+    `error`: the type of the unexpected exception behind a `record_error`, for the report.
+    """
+
+    def __init__(self, reason: str, error: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -92,15 +108,19 @@ class ReadReport:
     repairs: Counter[str] = field(default_factory=Counter)
     damaged_bytes: int = 0
     """Bytes of the input that could not be decoded (damaged regions and a truncated tail)."""
+    errors: Counter[str] = field(default_factory=Counter)
+    """Exception types behind `record_error` skips (none expected: each one is a bug to fix)."""
 
     def keep(self) -> None:
         self.records += 1
         self.kept += 1
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, error: str | None = None) -> None:
         assert reason in SKIP_REASONS, reason
         self.records += 1
         self.skipped[reason] += 1
+        if error is not None:
+            self.errors[error] += 1
 
     def reject(self, reason: str) -> None:
         """A later stage drops a record the reader kept."""
@@ -120,6 +140,7 @@ class ReadReport:
             "skipped": dict(sorted(self.skipped.items())),
             "repairs": dict(sorted(self.repairs.items())),
             "damaged_bytes": self.damaged_bytes,
+            "errors": dict(sorted(self.errors.items())),
         }
 
     @classmethod
@@ -131,6 +152,7 @@ class ReadReport:
             skipped=Counter(d["skipped"]),
             repairs=Counter(d["repairs"]),
             damaged_bytes=d["damaged_bytes"],
+            errors=Counter(d.get("errors", {})),  # absent in manifests of earlier versions
         )
 
     def format(self) -> str:
@@ -141,4 +163,6 @@ class ReadReport:
             lines.append(f"  repaired {n:>7}  {kind:<26} {REPAIRS[kind]}")
         if self.damaged_bytes:
             lines.append(f"  {self.damaged_bytes} bytes could not be decoded")
+        if self.errors:
+            lines.append(f"  unexpected errors (record_error): {dict(self.errors)}")
         return "\n".join(lines)

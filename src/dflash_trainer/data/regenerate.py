@@ -175,10 +175,12 @@ def read_done(out_path: Path, settings: GenerationSettings) -> set[str]:
             good_end += len(line)
             if not line.strip():
                 continue
-            try:
+            try:  # not JSON, not UTF-8, too deep, or not one of our records: not our file
                 rec = json.loads(line)
                 gen, rid = rec["generation"], rec["id"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not isinstance(gen, dict) or not isinstance(rid, str):
+                    raise TypeError("`generation` is not an object or `id` is not a string")
+            except (ValueError, RecursionError, KeyError, TypeError) as e:
                 raise DFlashError(
                     f"{out_path}: line {lineno} is not a regeneration record ({e}); the file was "
                     "edited or written by something else: move it aside or pass another --out"

@@ -128,6 +128,19 @@ class ShardWriter:
         return self.entries
 
 
+def load_manifest(mpath: Path, fix: str) -> dict[str, Any]:
+    """A manifest file's JSON object; a damaged or foreign file is a DFlashError ending in `fix`."""
+    try:
+        manifest = json.loads(mpath.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise DFlashError(f"{mpath} is damaged: not readable JSON ({e}); {fix}") from e
+    if not isinstance(manifest, dict):
+        raise DFlashError(
+            f"{mpath} is not a manifest: a JSON {type(manifest).__name__}, not an object; {fix}"
+        )
+    return manifest
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     mpath = Path(path) / MANIFEST
     if not mpath.is_file():
@@ -135,7 +148,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path} is not a prepared dataset (no {MANIFEST}); create one with "
             "`dflash data prepare --input ... --out DIR`"
         )
-    manifest: dict[str, Any] = json.loads(mpath.read_text())
+    manifest = load_manifest(mpath, "prepare the data again")
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise DFlashError(
             f"{mpath}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "

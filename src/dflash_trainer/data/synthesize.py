@@ -254,10 +254,12 @@ def _read_lines(path: Path, settings: SynthSettings) -> list[dict[str, Any]]:
             if not line.endswith(b"\n"):
                 break  # written by a job killed mid-write
             good_end += len(line)
-            try:
+            try:  # not JSON, not UTF-8, too deep, or not one of our records: not our file
                 rec = json.loads(line)
                 synth, _ = rec["synthesis"], rec["id"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not isinstance(synth, dict):
+                    raise TypeError("`synthesis` is not an object")
+            except (ValueError, RecursionError, KeyError, TypeError) as e:
                 raise DFlashError(
                     f"{path}: line {lineno} is not a synthesis record ({e}); move the file "
                     "aside or pass another --out"

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 
@@ -42,6 +43,27 @@ def save_drafter_files(
     save_file(tensors, str(d / WEIGHTS_FILE))
     (d / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     (d / META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str) + "\n")
+    return d
+
+
+DRAFTER_FILES = frozenset({SPEC_FILE, WEIGHTS_FILE, META_FILE})
+
+
+def write_drafter_dir(
+    directory: str | Path,
+    spec: DrafterSpec,
+    state_dict: dict[str, torch.Tensor],
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """`save_drafter_files` into a directory written whole or not at all (atomic_dir).
+
+    An existing `directory` is replaced only if it holds nothing but drafter files: other
+    files in it are an error, and nothing is deleted.
+    """
+    d = Path(directory)
+    check_replaceable(d, DRAFTER_FILES.__contains__, "a drafter (spec, weights, meta)")
+    with atomic_directory(d, replace=True) as tmp:
+        save_drafter_files(tmp, spec, state_dict, meta)
     return d
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.card import hub_id, model_card, serve_commands
@@ -35,7 +36,7 @@ from dflash_trainer.formats.check import (
     check_import_numbers,
     read_config,
 )
-from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, save_drafter_files
+from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, write_drafter_dir
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     spec_from_speculators_config,
@@ -211,15 +212,13 @@ class ExportResult:
     commands: dict[str, str]
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise DFlashError(f"{out}: exists and is not empty; choose a new directory or --force")
-        ours = {"config.json", WEIGHTS_NAME, "README.md"}
-        stray = [f.name for f in out.iterdir() if f.name not in ours]
-        if stray:  # extra weights next to ours would be loaded too (or instead)
-            raise DFlashError(f"{out}: --force overwrites only {sorted(ours)}; also holds {stray}")
-    out.mkdir(parents=True, exist_ok=True)
+def _check_out(out: Path, force: bool) -> None:
+    """OUT may be new or empty; with --force it may hold a previous export (only our files:
+    extra weights next to ours would be loaded too, or instead), which is then replaced."""
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DFlashError(f"{out}: exists and is not empty; choose a new directory or --force")
+    ours = {"config.json", WEIGHTS_NAME, "README.md"}
+    check_replaceable(out, ours.__contains__, f"an export (--force replaces only {sorted(ours)})")
 
 
 def _cast(state: dict[str, torch.Tensor], dtype: str, where: str) -> dict[str, torch.Tensor]:
@@ -264,10 +263,11 @@ def export_drafter(
     else:
         archs = list(getattr(t_cfg, "architectures", None) or [])
         config = speculators_config(spec, dtype, name, archs)
-    _prepare_out(out_p, force)
-    write_weights(out_p / WEIGHTS_NAME, tensors)
-    (out_p / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_p / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), name))
+    _check_out(out_p, force)
+    with atomic_directory(out_p, replace=True) as tmp:  # never a half-written export
+        write_weights(tmp / WEIGHTS_NAME, tensors)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), name))
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and name and not hub_id(name) and not Path(name).exists():
         report.warn(
@@ -381,6 +381,6 @@ def run_import(args: argparse.Namespace) -> int:
         f"{n_params / 1e6:.1f}M params, target_layer_ids {list(spec.target_layer_ids)}"
     )
     if args.out:
-        save_drafter_files(args.out, spec, state, meta)
+        write_drafter_dir(args.out, spec, state, meta)
         print(f"wrote {Path(args.out) / SPEC_FILE} (+ weights, {META_FILE})")
     return 0

@@ -47,6 +47,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.atomic_dir import atomic_directory, remove_stale
 from dflash_trainer.config import Config
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
@@ -183,25 +184,23 @@ class Checkpointer:
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.fs.makedirs(self.path, exist_ok=True)
         if self.local:
-            for stale in Path(self.path).glob(".tmp-*"):
+            remove_stale(Path(self.path), log=self.log)
+            for stale in Path(self.path).glob(".tmp-*"):  # the naming of earlier versions
                 shutil.rmtree(stale, ignore_errors=True)
+                self.log(f"removed {stale}, left by an interrupted checkpoint save")
 
     # ------------------------------------------------------------------ saving
 
     def save(self, state: CheckpointState) -> str:
         name = f"step_{state.step:08d}"
-        with tempfile.TemporaryDirectory(
-            dir=self.path if self.local else None, prefix=".tmp-"
-        ) as tmp:
-            stage = Path(tmp) / name
-            self._write_files(stage, state)
-            if self.local:
-                final = Path(self.path) / name
-                if final.exists():
-                    shutil.rmtree(final)
-                os.rename(stage, final)
-                _fsync_dir(Path(self.path))
-            else:
+        if self.local:
+            # Assembled under a temporary sibling name and renamed into place (atomic_dir).
+            with atomic_directory(Path(self.path) / name, replace=True, log=self.log) as stage:
+                self._write_files(stage, state)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                stage = Path(tmp) / name
+                self._write_files(stage, state)
                 remote = f"{self.path}/{name}"
                 for f in sorted(stage.iterdir()):
                     if f.name not in (COMPLETE, CHECKSUMS):

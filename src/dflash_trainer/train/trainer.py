@@ -441,9 +441,9 @@ class Trainer(Stepper):
         state, _ = full_states(self)
         if not self.world.is_main:
             return
-        from dflash_trainer.formats.drafter_io import save_drafter_files
+        from dflash_trainer.formats.drafter_io import write_drafter_dir
 
-        save_drafter_files(self.run_dir / "drafter", self.spec, state, run_meta(self))
+        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self))
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
     def _write_plots(self) -> None:

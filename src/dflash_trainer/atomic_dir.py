@@ -1,0 +1,194 @@
+"""Directories written whole or not at all: the one way this tool writes a directory output.
+
+`atomic_directory(final)` hands out a sibling temporary directory named
+`.<name>.tmp-<host>-<pid>`; when the body returns, every file in it is fsynced and it is renamed
+to `final` (an existing `final` is first renamed aside to `.<name>.old-<host>-<pid>`, then
+removed). If the body raises, the temporary directory is removed. So a reader of `final` sees
+the previous complete directory or the new complete one, never a half-written one, even if the
+writer is killed with SIGKILL or the machine loses power.
+
+A killed writer cannot clean up after itself, so its temporary directory stays. The name says
+whose it is: `remove_stale` (called on entry, and by the checkpointer for its whole directory)
+removes those whose process is gone on this host, saying so, and leaves alone, saying so, those
+of another host (a shared file system: that process may still be writing). A process id that a
+new process reuses after a restart is also taken as gone unless this process is writing that
+directory right now.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dflash_trainer.errors import DFlashError
+
+Log = Callable[[str], None]
+
+# `.<name>.tmp-<host>-<pid>` or `.<name>.old-<host>-<pid>`; the host has no `-` (see _host).
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$")
+_ACTIVE: set[Path] = set()
+"""The temporary directories this process is writing now (never stale, whatever the pid)."""
+
+
+def _stderr(message: str) -> None:
+    print(f"dflash: {message}", file=sys.stderr)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def temp_name(name: str, kind: str = "tmp") -> str:
+    """The sibling name this process uses while writing (`tmp`) or replacing (`old`) `name`."""
+    return f".{name}.{kind}-{_host()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> list[Path]:
+    """Remove the temporary directories of writers that were killed (of `name`, or any name).
+
+    Returns the removed paths. Only directories named by `temp_name` are considered.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None or (name is not None and m["name"] != name):
+            continue
+        path = Path(entry.path)
+        if not entry.is_dir(follow_symlinks=False) or path in _ACTIVE:
+            continue
+        pid = int(m["pid"])
+        if m["host"] != _host():
+            log(f"left {path} alone: written by process {pid} on host {m['host']}, which may "
+                "still be running; delete it yourself once no run writes there")  # fmt: skip
+            continue
+        if pid != os.getpid() and _alive(pid):
+            continue  # another writer on this host, at work right now
+        shutil.rmtree(path, ignore_errors=True)
+        what = "an interrupted write" if m["kind"] == "tmp" else "an interrupted replacement"
+        log(f"removed {path}, left by {what} (process {pid} is gone)")
+        removed.append(path)
+    return removed
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (files first, then their directories)."""
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync(Path(dirpath) / f)
+        _fsync(Path(dirpath))
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some file systems do not open directories; the data files still got theirs
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_replaceable(final: Path, ours: Callable[[str], bool], what: str) -> None:
+    """Refuse to replace `final` unless every entry in it is one this tool writes there.
+
+    `final` may be absent or an empty directory; a file, or a directory holding anything
+    `ours` does not recognise, is an error that names the entries and deletes nothing.
+    """
+    if final.is_symlink():  # replacing would replace the link, and leave its target as it is
+        raise DFlashError(f"{final} is a symbolic link; give the directory it points to")
+    if not final.exists():
+        return
+    if not final.is_dir():
+        raise DFlashError(
+            f"{final} exists and is not a directory; give a directory path for {what}"
+        )
+    stray = sorted(p.name for p in final.iterdir() if not ours(p.name))
+    if stray:
+        shown = ", ".join(stray[:8]) + (f" and {len(stray) - 8} more" if len(stray) > 8 else "")
+        raise DFlashError(
+            f"{final} also holds files that are not part of {what} ({shown}); nothing was "
+            "deleted: move them away or choose another directory"
+        )
+
+
+@contextmanager
+def atomic_directory(
+    final: str | Path, replace: bool = False, log: Log = _stderr
+) -> Iterator[Path]:
+    """Yield an empty temporary sibling of `final`; publish it as `final` when the body returns.
+
+    `replace`: an existing `final` (checked by the caller to be replaceable) is swapped out;
+    without it, an existing non-empty `final` is an error. The body must not keep files open.
+    """
+    final = Path(os.path.abspath(final))  # `.` and `..` have no name to rename
+    cwd = Path(os.path.realpath(os.curdir))
+    if final.resolve() in (cwd, *cwd.parents):
+        raise DFlashError(f"{final} is the current directory or holds it; write to a new directory")
+    parent = final.parent
+    remove_stale(parent, final.name, log)
+    tmp = parent / temp_name(final.name)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # this process was killed under the same pid and restarted
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise DFlashError(f"cannot create {tmp} to write {final}: {e.strerror or e}") from e
+    _ACTIVE.add(tmp)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        _publish(tmp, final, replace)
+    finally:
+        _ACTIVE.discard(tmp)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path, replace: bool) -> None:
+    old = None
+    if final.exists() or final.is_symlink():
+        if not replace and not (final.is_dir() and not any(final.iterdir())):
+            raise DFlashError(f"{final} appeared while it was being written; nothing replaced")
+        old = final.parent / temp_name(final.name, "old")
+        _ACTIVE.add(old)
+        os.replace(final, old)  # a symbolic link is moved as a link: its target stays
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # put the previous directory back: never lose both
+            os.replace(old, final)
+            _ACTIVE.discard(old)
+        raise
+    _fsync(final.parent)
+    if old is not None:
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+        _ACTIVE.discard(old)
