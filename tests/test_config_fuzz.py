@@ -164,9 +164,11 @@ def report_counts(request, tmp_path_factory) -> Iterator[None]:
     counts = {k: COUNTS[k] for k in ("generated", "accepted", "rejected", "tracebacks")}
     out.write_text(json.dumps(counts, indent=1))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     line = f"config fuzz: {json.dumps(counts)} ({out})"
-    if reporter is not None:
-        reporter.write_line(line)
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # shown without -s too
+            reporter.write_line(f"\n{line}")
     else:
         print(line)
 

@@ -114,7 +114,12 @@ def run_doctor(
     try:
         t = load_target_config(cfg.target)
     except DFlashError as e:
-        report.checks.append(Check("target.config", "fail", str(e), "give a readable target"))
+        fix = (
+            "remove or rename the override: it must be a field of the target's config class"
+            if "hf_config_overrides" in str(e)
+            else "point target.name_or_path at a readable model directory, hub id or asset"
+        )
+        report.checks.append(Check("target.config", "fail", str(e), fix))
         return report
     report.checks.append(
         Check(
