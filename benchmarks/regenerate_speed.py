@@ -15,10 +15,12 @@ HF's token for token (`greedy_identical_share`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,31 @@ def fp32_identity(
     return {"prompts": len(prompts), "new_tokens": new, "identical": same}
 
 
+def profile_engine(engine: StaticBatchEngine, prompts: list[list[int]]) -> dict[str, Any]:
+    """A second pass over `prompts` (shapes already built) under the profiler: the kernels
+    that take the GPU time, and how many kernels one decode step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0, prefills0 = engine.stats.decode_steps, engine.stats.prefills
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total_us = sum(e.device_time_total for e in events)
+    return {
+        "prompts": len(prompts),
+        "decode_steps": engine.stats.decode_steps - steps0,
+        "prefills": engine.stats.prefills - prefills0,
+        "kernel_launches": sum(e.count for e in events),
+        "gpu_ms": round(total_us / 1000, 2),
+        "top_kernels": [
+            {"name": e.key[:120], "calls": e.count, "ms": round(e.device_time_total / 1000, 2)}
+            for e in events[:25]
+        ],
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(args.model)
     model = load_causal_lm(args.model, args.device, args.dtype)
@@ -149,6 +176,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         rows=args.batch_size,
         refill_rows=args.refill_rows,
         prefill_tokens=args.prefill_tokens,
+        prefill_align=args.prefill_align,
     )
     _sync(device)
     t0 = time.perf_counter()
@@ -156,6 +184,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     _sync(device)
     engine_s = time.perf_counter() - t0
     engine_tokens = sum(cut_at_stop(o, stops)[2] for o in engine_outs)
+    breakdown = dataclasses.asdict(engine.stats)
+    prof = None
+    if args.profile_prompts and device.type == "cuda":
+        prof = profile_engine(engine, prompts[: args.profile_prompts])
 
     stride = max(1, -(-len(prompts) // args.hf_prompts))
     subset = list(range(0, len(prompts), stride))
@@ -167,7 +199,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cut_at_stop(engine_outs[i], stops)[0] == cut_at_stop(o, stops)[0]
         for i, o in zip(subset, hf_outs)
     )
-    st = engine.stats
+    st = types.SimpleNamespace(**breakdown)  # the timed pass only, not the profiled one
     del hf
     ref = load_causal_lm(args.model, args.device, "float32")
     gaps = divergence_gaps(
@@ -202,6 +234,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine_ms_per_decode_step": round(1000 * st.decode_s / max(1, st.decode_steps), 3),
         "greedy_divergences": gap_summary(gaps),
         "fp32_greedy_identity": fp32,
+        "engine_profile": prof,
         "hf_tokens": hf_tokens,
         "hf_seconds": round(hf_s, 3),
         "engine_decode_steps": st.decode_steps,
@@ -232,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refill-rows", type=int, help="engine: refill when this many rows are free")
     p.add_argument("--prefill-tokens", type=int, help="engine: tokens per prefill forward")
     p.add_argument("--fp32-prompts", type=int, default=64, help="prompts of the fp32 check")
+    p.add_argument("--prefill-align", type=int, help="engine: prefill width multiple")
+    p.add_argument(
+        "--profile-prompts", type=int, default=256, help="CUDA: profile a pass over N prompts"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, fp32 on CPU")
     p.add_argument("--out", type=Path, required=True)

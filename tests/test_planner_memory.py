@@ -311,7 +311,9 @@ def test_unfused_attention_keeps_fp32_scores_of_every_pair():
     assert fwd == one_scores
     # Backward: two score-sized fp32 gradients (plus expanded K/V grads).
     assert 2 * one_scores <= bwd <= 2.1 * one_scores
-    assert one_scores / 1e9 == pytest.approx(17.18, rel=0.001)
+    # A qwen3.6-27b training run with unfused attention peaked at 17.85 GB in this
+    # allocation when it ran out of memory: the model is within 5% of that measurement.
+    assert one_scores / 1e9 == pytest.approx(17.85, rel=0.05)
 
 
 def test_fsdp_target_keeps_a_share_of_its_layers_per_gpu():
