@@ -177,6 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         refill_rows=args.refill_rows,
         prefill_tokens=args.prefill_tokens,
         prefill_align=args.prefill_align,
+        compile_decode=args.compile_decode,
     )
     _sync(device)
     t0 = time.perf_counter()
@@ -241,6 +242,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine_prefills": st.prefills,
         "engine_shapes_rows_x_cache": st.shapes,
         "engine_graphs": engine.graphs,
+        "engine_compiled_decode": args.compile_decode,
         "engine_row_utilisation": round(st.row_steps_busy / max(1, st.row_steps), 3),
         "hardware": _hardware(device),
         "device": str(device),
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, help="engine: tokens per prefill forward")
     p.add_argument("--fp32-prompts", type=int, default=64, help="prompts of the fp32 check")
     p.add_argument("--prefill-align", type=int, help="engine: prefill width multiple")
+    p.add_argument("--compile-decode", action="store_true", help="engine: compile the step")
     p.add_argument(
         "--profile-prompts", type=int, default=256, help="CUDA: profile a pass over N prompts"
     )

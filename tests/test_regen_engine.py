@@ -230,3 +230,16 @@ def test_the_speed_benchmark_runs_and_writes_its_keys(tmp_path: Path) -> None:
     assert r["engine_tokens"] == 8 * 4 and r["hf_tokens"] == 3 * 4  # no stop: all length
     assert r["greedy_identical_share"] == 1.0 and r["hf_subset"] == "prompts[::3] (3 of 8)"
     assert r["engine_tokens_per_s"] > 0 and r["hf_batched_tokens_per_s"] > 0 and r["hardware"]
+
+
+def test_compiled_decode_steps_give_the_same_answers() -> None:
+    """compile_decode fuses the decode step (one compile per cache shape): same tokens."""
+    model = tiny_llama(400)
+    prompts = _prompts(400, [12, 3, 30, 8])
+    settings = GenerationSettings("m", max_new_tokens=8)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    engine = StaticBatchEngine(model, settings, [5], 0, rows=4, compile_decode=True)
+    assert engine.generate(prompts) == _hf(model, prompts, 8, [5])
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled whole

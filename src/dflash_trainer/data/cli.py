@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the static engine on a GPU when the target allows it, else hf",
     )
+    r.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="static engine: compile the decode step (fewer kernels; a compile per cache shape)",
+    )
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     r.add_argument("--seed", type=int, default=0)
@@ -197,6 +202,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         backend=backend,
         seed=args.seed,
         progress=not args.no_progress,
+        compile_decode=args.compile_decode,
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "

@@ -166,6 +166,7 @@ class StaticBatchEngine:
         prefill_tokens: int | None = None,
         kv_fraction: float = 0.5,
         prefill_align: int | None = None,
+        compile_decode: bool = False,
     ) -> None:
         why = static_support(model)
         if why is not None:
@@ -178,6 +179,9 @@ class StaticBatchEngine:
         self.refill_rows = refill_rows
         self.prefill_tokens = prefill_tokens or (32768 if cuda else 4096)
         self.prefill_align = prefill_align or (64 if cuda else 1)
+        # A small target's decode step is a few kernels per op and layer: compiling fuses the
+        # elementwise ones (norms, rotary, activation, sampling), one compile per cache shape.
+        self._step = torch.compile(self._decode, dynamic=False) if compile_decode else self._decode
         self.kv_fraction = kv_fraction
         self.settings = settings
         self.stop_set = set(stops)
@@ -232,18 +236,18 @@ class StaticBatchEngine:
         with torch.inference_mode():
             self._decode()  # allocates every layer's buffer before any capture
             try:
-                shape.replay = _Replay(self._decode, self.graphs)
+                shape.replay = _Replay(self._step, self.graphs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # a capture that fails names the op; eager still works
-                if not self.graphs:
+                if not self.graphs and self._step == self._decode:
                     raise
                 print(
-                    f"dflash: CUDA graph capture failed ({type(e).__name__}: {e}); "
-                    "the engine continues without graphs",
+                    f"dflash: decode step capture or compile failed ({type(e).__name__}: {e}); "
+                    "the engine continues eagerly",
                     file=sys.stderr,
                 )
-                self.graphs = False
+                self.graphs, self._step = False, self._decode
                 shape.replay = _Replay(self._decode, False)
         shape.pos.zero_()
         self._activate(shape)

@@ -265,6 +265,7 @@ def regenerate(
     seed: int = 0,
     window: int | None = None,
     progress: bool = True,
+    compile_decode: bool = False,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -295,7 +296,9 @@ def regenerate(
     elif backend == "static":
         from dflash_trainer.data.engine import StaticBatchEngine
 
-        generator = StaticBatchEngine(model, settings, stops, pad_id, rows=batch_size)
+        generator = StaticBatchEngine(
+            model, settings, stops, pad_id, rows=batch_size, compile_decode=compile_decode
+        )
     elif backend == "vllm":
         from dflash_trainer.data.vllm_backend import VLLMGenerator
 
