@@ -17,14 +17,9 @@ from test_data_support import tiny_llama
 from test_speculative import tiny_qwen3, tiny_sliding
 from test_target import tiny_hybrid
 
-from dflash_trainer.data.engine import (
-    StaticBatchEngine,
-    engine_notice,
-    item_key,
-    keyed_uniform,
-    pick_tokens,
-)
+from dflash_trainer.data.engine import StaticBatchEngine, engine_notice
 from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop, per_prompt_generate
+from dflash_trainer.data.sampling import item_key, keyed_uniform, pick_tokens
 from dflash_trainer.errors import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -243,3 +238,39 @@ def test_compiled_decode_steps_give_the_same_answers() -> None:
     engine = StaticBatchEngine(model, settings, [5], 0, rows=4, compile_decode=True)
     assert engine.generate(prompts) == _hf(model, prompts, 8, [5])
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled whole
+
+
+def test_chains_queue_each_next_turn_at_once_across_cache_lengths() -> None:
+    """A conversation's next turn runs as soon as its answer is in (no rounds); turns that
+    outgrow the cache length wait for the next one. Each chain equals HF turn by turn."""
+    model = _lively(tiny_llama(400))
+    new, turns = 16, 3
+    firsts = _prompts(400, [10, 200, 30, 225, 5])  # 225 + 16 fits 256; its next turn does not
+    g = torch.Generator().manual_seed(3)
+    extra = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (20, 40)]
+    stops = _staggered_stops(model, firsts, new)
+
+    def reference(prompt: list[int]) -> list[list[int]]:
+        outs: list[list[int]] = []
+        for t in range(turns):
+            outs.append(_hf(model, [prompt], new, stops)[0])
+            if t + 1 < turns:
+                prompt = prompt + outs[-1] + extra[t]
+        return outs
+
+    got: dict[int, list[list[int]]] = {c: [] for c in range(len(firsts))}
+    current = list(firsts)
+
+    def follow(chain: int, ids: list[int]) -> tuple[list[int], int] | None:
+        got[chain].append(list(ids))
+        t = len(got[chain])
+        if t == turns:
+            return None
+        current[chain] = current[chain] + ids + extra[t - 1]
+        return current[chain], 0
+
+    engine = StaticBatchEngine(model, GenerationSettings("m", max_new_tokens=new), stops, 0, rows=2)
+    engine.generate_chains([(p, 0) for p in firsts], follow)
+    assert got == {c: reference(p) for c, p in enumerate(firsts)}
+    assert [length for _, length in engine.stats.shapes] == [256, 512]
+    assert engine.calls == 1  # one call served every turn of every chain

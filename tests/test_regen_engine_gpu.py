@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_data_support import tiny_llama
 
-from dflash_trainer.data.engine import StaticBatchEngine, item_key
+from dflash_trainer.data.engine import StaticBatchEngine
 from dflash_trainer.data.regenerate import GenerationSettings, HFBatchGenerator, cut_at_stop
+from dflash_trainer.data.sampling import item_key
 
 pytestmark = pytest.mark.gpu
 

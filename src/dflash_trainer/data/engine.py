@@ -37,65 +37,18 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dflash_trainer.data.grouped_decode import grouped_decode
+from dflash_trainer.data.sampling import item_key, pick_tokens
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.static_decode import _Replay, _SlotCache, static_support
 from dflash_trainer.eval.target_runner import cache_kwarg
-
-_M32 = 0xFFFFFFFF
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (int64 arithmetic; only the low 32 bits are kept)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
-def keyed_uniform(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1), a pure function of (key, step, token id): the same on CPU and
-    GPU, eager or replayed, whatever else is in the batch."""
-    cols = torch.arange(vocab, device=keys_B.device, dtype=torch.long)
-    row = _fmix((_fmix(keys_B & _M32) ^ (steps_B * 0x9E3779B1)) & _M32)
-    h = _fmix((row[:, None] ^ (cols[None, :] * 0x27D4EB2F)) & _M32)
-    return (h.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
-
-
-def pick_tokens(
-    logits_BV: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    keys_B: torch.Tensor,
-    steps_B: torch.Tensor,
-) -> torch.Tensor:
-    """Next token per row: argmax at temperature 0, else a keyed draw from the tempered
-    distribution cut to its top_p nucleus (an exponential race: argmax of p / Exp(1) noise)."""
-    if temperature <= 0:
-        return logits_BV.argmax(-1)
-    probs = torch.softmax(logits_BV / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep a token while the mass before it is below top_p (the first is always kept).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    noise = -torch.log(keyed_uniform(keys_B, steps_B, probs.shape[-1]))
-    return (probs / noise).argmax(-1)
-
-
-def item_key(*parts: int | str) -> int:
-    """A 31-bit key from ints and strings (stable across runs, unlike hash())."""
-    import zlib
-
-    return zlib.crc32("\x1f".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
 def cache_length(tokens: int) -> int:
@@ -130,6 +83,25 @@ class EngineStats:
     """Seconds in decode steps (replay until the tokens are on the host)."""
     host_s: float = 0.0
     """Seconds of per-step bookkeeping on the host (appending tokens, stop checks)."""
+
+
+Follow = Callable[[int, list[int]], "tuple[list[int], int] | None"]
+
+
+@dataclass
+class _Work:
+    """The prompts of one engine call; grows as chains add their next prompts."""
+
+    prompts: list[list[int]]
+    keys: list[int]
+    outs: list[list[int]]
+    on_done: Callable[[int], int | None]
+
+    def retire(self, i: int, queue: deque[int]) -> None:
+        """Prompt i is answered: queue its chain's next prompt when it runs here."""
+        j = self.on_done(i)
+        if j is not None:
+            queue.append(j)
 
 
 @dataclass
@@ -369,28 +341,53 @@ class StaticBatchEngine:
         """
         if keys is None:
             keys = [item_key(self.settings.seed, self.calls, i) for i in range(len(prompts))]
+        return self._serve(list(prompts), list(keys), None)
+
+    def generate_chains(self, first: list[tuple[list[int], int]], follow: Follow) -> None:
+        """Chains of prompts, each next one known only once the previous is answered (the
+        turns of a conversation): `follow(chain, new_ids)` gets every answer and returns the
+        chain's next (prompt, key), or None when it ends. A next prompt is queued at once, in
+        the running cache length or a longer one, so rows never wait for a round to drain."""
+        self._serve([p for p, _ in first], [k for _, k in first], follow)
+
+    def _serve(
+        self, prompts: list[list[int]], keys: list[int], follow: Follow | None
+    ) -> list[list[int]]:
+        """Cache lengths served shortest first; answers in the order of `prompts`."""
         self.calls += 1
         outs: list[list[int]] = [[] for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        chain = list(range(len(prompts)))
         new = self.settings.max_new_tokens
-        group: list[int] = []
+        pending: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            pending.setdefault(cache_length(len(p) + new), []).append(i)
+        current = 0
+
+        def on_done(i: int) -> int | None:
+            """The next prompt of i's chain, if it runs in the current cache length."""
+            nxt = follow(chain[i], outs[i]) if follow is not None else None
+            if nxt is None:
+                return None
+            j = len(prompts)
+            prompts.append(nxt[0])
+            keys.append(nxt[1])
+            chain.append(chain[i])
+            outs.append([])
+            length = cache_length(len(nxt[0]) + new)  # prompts only grow: never a past one
+            if length == current:
+                return j
+            pending.setdefault(length, []).append(j)
+            return None
+
         with torch.inference_mode(), grouped_decode(self.model):
-            for i in order:
-                if group and cache_length(len(prompts[i]) + new) != cache_length(
-                    len(prompts[group[0]]) + new
-                ):
-                    self._run_group(group, prompts, keys, outs)
-                    group = []
-                group.append(i)
-            if group:
-                self._run_group(group, prompts, keys, outs)
+            while pending:
+                current = min(pending)
+                group = sorted(pending.pop(current), key=lambda i: len(prompts[i]))
+                self._run_group(current, group, _Work(prompts, keys, outs, on_done))
         return outs
 
-    def _run_group(
-        self, group: list[int], prompts: list[list[int]], keys: list[int], outs: list[list[int]]
-    ) -> None:
-        """Continuous batching over prompts of one cache-length bucket (shortest first)."""
-        length = cache_length(len(prompts[group[-1]]) + self.settings.max_new_tokens)
+    def _run_group(self, length: int, group: list[int], work: _Work) -> None:
+        """Continuous batching over prompts of one cache length (shortest first)."""
         rows = self._ensure(length, len(group))
         default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
         refill_at = min(self.refill_rows or default_refill, rows)
@@ -399,7 +396,7 @@ class StaticBatchEngine:
         live: dict[int, int] = {}  # cache row -> prompt index
         while queue or live:
             if queue and (not live or len(free) >= min(refill_at, len(queue))):
-                self._refill(queue, free, live, prompts, keys, outs)
+                self._refill(queue, free, live, work)
                 continue
             assert self._replay is not None
             t0 = time.perf_counter()
@@ -409,10 +406,11 @@ class StaticBatchEngine:
             self.stats.row_steps += rows
             self.stats.row_steps_busy += len(live)
             for slot, i in list(live.items()):
-                outs[i].append(tok[slot])
-                if self._done(outs[i]):
+                work.outs[i].append(tok[slot])
+                if self._done(work.outs[i]):
                     del live[slot]
                     free.append(slot)
+                    work.retire(i, queue)
             self.stats.decode_s += t1 - t0
             self.stats.host_s += time.perf_counter() - t1
 
@@ -420,29 +418,27 @@ class StaticBatchEngine:
         return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
 
     def _refill(
-        self,
-        queue: deque[int],
-        free: list[int],
-        live: dict[int, int],
-        prompts: list[list[int]],
-        keys: list[int],
-        outs: list[list[int]],
+        self, queue: deque[int], free: list[int], live: dict[int, int], work: _Work
     ) -> None:
         """Prefill waiting prompts into the free rows, in chunks of at most prefill_tokens."""
         free.sort()
         take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        take.sort(key=lambda i: len(work.prompts[i]))  # chains queue longer prompts late
         while take:
             chunk = [take.pop(0)]
-            while take and (len(chunk) + 1) * len(prompts[take[0]]) <= self.prefill_tokens:
+            while take and (len(chunk) + 1) * len(work.prompts[take[0]]) <= self.prefill_tokens:
                 chunk.append(take.pop(0))  # sorted by length: the last is the widest
             slots = [free.pop(0) for _ in chunk]
             t0 = time.perf_counter()
-            firsts = self._prefill(slots, [prompts[i] for i in chunk], [keys[i] for i in chunk])
+            firsts = self._prefill(
+                slots, [work.prompts[i] for i in chunk], [work.keys[i] for i in chunk]
+            )
             self.stats.prefill_s += time.perf_counter() - t0
             for slot, i, t in zip(slots, chunk, firsts):
-                outs[i].append(t)
-                if self._done(outs[i]):
+                work.outs[i].append(t)
+                if self._done(work.outs[i]):
                     free.append(slot)
+                    work.retire(i, queue)
                 else:
                     live[slot] = i
 

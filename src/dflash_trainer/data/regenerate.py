@@ -319,11 +319,16 @@ def regenerate(
     writer, bar = _Writer(out, settings), _progress(len(pending), progress)
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
     job.max_conversation_tokens = max_conversation_tokens
+    job.seed = seed
     job.t0 = time.perf_counter()
     step = window or batch_size * 8
     try:
         for w in range(0, len(pending), step):
-            job.run_window(pending[w : w + step])
+            chains = getattr(generator, "generate_chains", None)
+            if chains is not None:
+                job.run_window_chained(pending[w : w + step], chains)
+            else:
+                job.run_window(pending[w : w + step])
     finally:
         job.writer.f.close()
         job.bar.close()
@@ -350,6 +355,7 @@ class _Job:
     bar: Any
     t0: float
     max_conversation_tokens: int | None = None
+    seed: int = 0
 
     def start(self, conv: Conversation) -> _State:
         head = [m for m in conv.messages[:1] if m["role"] == "system"]
@@ -377,6 +383,37 @@ class _Job:
                         self._finish(s)
                 elapsed = time.perf_counter() - self.t0
                 self.bar.set_postfix(tok_s=f"{self.report.new_tokens / max(elapsed, 1e-9):.0f}")
+
+    def run_window_chained(self, convs: list[Conversation], chains: Any) -> None:
+        """Every conversation as one chain of turns on an engine that queues a conversation's
+        next turn as soon as its answer is in (no rounds); a turn's sampling key is
+        (seed, conversation id, turn), whatever ran beside it."""
+        from dflash_trainer.data.sampling import item_key
+
+        states = [self.start(c) for c in convs]
+        ready = [s for s in states if self._prompt_fits(s)]
+
+        def key(s: _State) -> int:
+            return item_key(self.seed, s.conv.id, len(s.finish_reasons))
+
+        def follow(chain: int, new_ids: list[int]) -> tuple[list[int], int] | None:
+            s = ready[chain]
+            self._answer(s, new_ids)
+            self._show_speed()
+            if not self._within_budget(s):
+                return None
+            if not s.users:
+                self._finish(s)
+                return None
+            return (s.prompt or [], key(s)) if self._prompt_fits(s) else None
+
+        chains([(s.prompt or [], key(s)) for s in ready], follow)
+
+    def _show_speed(self) -> None:
+        elapsed = time.perf_counter() - self.t0
+        self.bar.set_postfix(
+            tok_s=f"{self.report.new_tokens / max(elapsed, 1e-9):.0f}", refresh=False
+        )
 
     def _prompt_fits(self, s: _State) -> bool:
         s.prompt = self.chat.prompt_ids([*s.messages, {"role": "user", "content": s.users[0]}])

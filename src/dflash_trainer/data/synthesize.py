@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_trainer.data.engine import item_key
+from dflash_trainer.data.sampling import item_key
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
 
