@@ -247,6 +247,30 @@ class _Writer:
         os.fsync(self.f.fileno())
 
 
+def _generator(
+    model: Any,
+    settings: GenerationSettings,
+    stops: list[int],
+    pad_id: int,
+    batch_size: int,
+    compile_decode: bool,
+) -> Generator:
+    """The backend named in `settings`: HF batches, the static engine or vLLM."""
+    if settings.backend == "hf":
+        return HFBatchGenerator(model, settings, stops, pad_id, batch_size)
+    if settings.backend == "static":
+        from dflash_trainer.data.engine import StaticBatchEngine
+
+        return StaticBatchEngine(
+            model, settings, stops, pad_id, rows=batch_size, compile_decode=compile_decode
+        )
+    if settings.backend == "vllm":
+        from dflash_trainer.data.vllm_backend import VLLMGenerator
+
+        return VLLMGenerator(model, settings, stops)
+    raise DFlashError(f"unknown backend {settings.backend!r}; use hf, static or vllm")
+
+
 def regenerate(
     conversations: Iterable[Conversation],
     model: Any,
@@ -290,22 +314,7 @@ def regenerate(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    generator: Generator
-    if backend == "hf":
-        generator = HFBatchGenerator(model, settings, stops, pad_id, batch_size)
-    elif backend == "static":
-        from dflash_trainer.data.engine import StaticBatchEngine
-
-        generator = StaticBatchEngine(
-            model, settings, stops, pad_id, rows=batch_size, compile_decode=compile_decode
-        )
-    elif backend == "vllm":
-        from dflash_trainer.data.vllm_backend import VLLMGenerator
-
-        generator = VLLMGenerator(model, settings, stops)
-    else:
-        raise DFlashError(f"unknown backend {backend!r}; use hf, static or vllm")
-
+    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode)
     report = RegenerateReport()
     done = read_done(out, settings)
     pending: list[Conversation] = []
