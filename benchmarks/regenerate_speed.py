@@ -209,7 +209,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         [cut_at_stop(engine_outs[i], stops)[0] for i in subset],
         [cut_at_stop(o, stops)[0] for o in hf_outs],
     )
-    fp32 = fp32_identity(ref, prompts[: args.fp32_prompts], stops, pad, 64)
+    fp32 = (
+        fp32_identity(ref, prompts[: args.fp32_prompts], stops, pad, 64)
+        if args.fp32_prompts
+        else None
+    )
     return {
         "engine_tokens_per_s": round(engine_tokens / engine_s, 1),
         "hf_batched_tokens_per_s": round(hf_tokens / hf_s, 1),
