@@ -6,7 +6,8 @@ atomically (a temporary sibling renamed into place, the prompts file last):
   `dflash data regenerate` (and `prepare`, for chat sources) reads;
 - `prompts.jsonl.sources.json`: per-source counts (read, kept, skipped by reason, dropped by
   decontamination, over the cap, written) and the decontamination settings;
-- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, eval id, shared n-gram.
+- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, source, rule, eval id and
+  what matched (the shared n-gram, the signature, or the near-duplicate's containment).
 
 Order: each source is shuffled by a seeded hash of its ids (so a cap, or any prefix of the
 file, is a random subset and not the file's head), then sources are interleaved so that every
@@ -115,8 +116,15 @@ def build_mixture(
             hit = index.check(conv) if index is not None else None
             if hit is not None:
                 report.decontaminated += 1
+                report.decontaminated_by[hit.rule] += 1
                 dropped.append(
-                    {"id": conv.id, "source": src.name, "eval": hit.eval_id, "ngram": hit.ngram}
+                    {
+                        "id": conv.id,
+                        "source": src.name,
+                        "rule": hit.rule,
+                        "eval": hit.eval_id,
+                        "match": hit.evidence,
+                    }
                 )
                 continue
             kept.append(conv)
@@ -132,9 +140,14 @@ def build_mixture(
         streams.append(kept)
         reports.append(report)
     mixed = list(interleave(streams, [s.weight for s in sources]))
-    info: dict[str, Any] = {"enabled": index is not None, "dropped": len(dropped)}
+    by_rule = Counter(d["rule"] for d in dropped)
+    info: dict[str, Any] = {
+        "enabled": index is not None,
+        "dropped": len(dropped),
+        "dropped_by_rule": dict(sorted(by_rule.items())),
+    }
     if index is not None:
-        info |= {"ngram": index.n, "eval_texts": index.texts, "eval_ngrams": len(index)}
+        info |= index.settings()
     return Mixture(mixed, reports, dropped, info)
 
 
@@ -208,16 +221,36 @@ def format_source_counts(sidecar: dict[str, Any]) -> str:
         )
     reasons = sorted({r for s in sidecar["sources"] for r in s["skipped"]})
     lines += [f"  {r}: {describe_skip(r)}" for r in reasons]
-    d = sidecar.get("decontamination", {})
-    if d.get("enabled"):
-        lines.append(
-            f"decontamination: {d['dropped']} dropped, {d['ngram']}-word n-grams of "
-            f"{d['eval_texts']} ({d['eval_ngrams']:,} n-grams)"
-        )
-    else:
-        lines.append("decontamination: off")
+    lines += _decontam_lines(sidecar)
     lines.append(f"written: {sidecar['written']:,} conversations")
     return "\n".join(lines)
+
+
+def _by_rule(counts: dict[str, int]) -> str:
+    return ", ".join(f"{rule} {n}" for rule, n in counts.items() if n) or "-"
+
+
+def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
+    """The decontamination summary: settings, drops per rule, and per rule of each source."""
+    d = sidecar.get("decontamination", {})
+    if not d.get("enabled"):
+        return ["decontamination: off"]
+    rules = d.get("rules", ["ngram"])  # files written before the other rules: n-grams only
+    lines = [
+        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {}))}) "
+        f"by {', '.join(rules)} against {d['eval_texts']}: {d['ngram']}-word n-grams "
+        f"({d['eval_ngrams']:,})"
+        + (f", {d['eval_signatures']} signatures" if "signature" in rules else "")
+        + (
+            f", near duplicates at containment >= {d['near_duplicate']['containment']}"
+            if "near_duplicate" in rules
+            else ""
+        )
+    ]
+    for s in sidecar["sources"]:
+        if s.get("decontaminated"):
+            lines.append(f"  {s['name']}: {_by_rule(s.get('decontaminated_by', {}))}")
+    return lines
 
 
 # ---------------------------------------------------------------- prepared datasets

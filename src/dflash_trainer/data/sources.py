@@ -75,6 +75,8 @@ class SourceReport:
     repairs: Counter[str] = field(default_factory=Counter)
     damaged_bytes: int = 0
     decontaminated: int = 0
+    decontaminated_by: Counter[str] = field(default_factory=Counter)
+    """Decontamination drops per rule (`decontam.RULES`)."""
     over_cap: int = 0
     written: int = 0
     user_turns: int = 0
@@ -96,6 +98,7 @@ class SourceReport:
             "repairs": dict(sorted(self.repairs.items())),
             "damaged_bytes": self.damaged_bytes,
             "decontaminated": self.decontaminated,
+            "decontaminated_by": dict(sorted(self.decontaminated_by.items())),
             "over_cap": self.over_cap,
             "written": self.written,
             "user_turns": self.user_turns,
