@@ -287,7 +287,14 @@ def test_mixture_caps_dedupes_across_sources_and_decontaminates(tmp_path: Path) 
     assert (ra.records, ra.kept, ra.decontaminated, ra.over_cap, ra.written) == (21, 21, 1, 15, 5)
     assert (rb.records, rb.kept, rb.written, dict(rb.skipped)) == (2, 1, 1, {"duplicate": 1})
     assert mix.dropped == [
-        {"id": "a/20", "source": "a", "rule": "ngram", "eval": "eval.jsonl/e1", "match": leak}
+        {
+            "id": "a/20",
+            "source": "a",
+            "rule": "ngram",
+            "eval": "eval.jsonl/e1",
+            "match": leak,
+            "also": ["near_duplicate"],
+        }
     ]
     assert ra.decontaminated_by == {"ngram": 1}
     assert [c.id.split("/")[0] for c in mix.conversations] == ["a", "a", "b", "a", "a", "a"]

@@ -211,9 +211,8 @@ def test_prompts_cli_reports_drops_per_rule_and_source(tmp_path: Path, capsys: A
     (tmp_path / "eval.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in [{"id": "p1", "question": PROBLEM}, CODE_TASK])
     )
-    w = " ".join(words(PROBLEM)[:14])
     rows = {
-        "math": [{"q": RENAMED}, {"q": OTHER_PROBLEM}, {"q": f"Quote: {w}"}],
+        "math": [{"q": RENAMED}, {"q": OTHER_PROBLEM}, {"q": f"Quote: {PROBLEM}"}],
         "code": [{"q": "def running_balance_below(ops, floor):\n    ..."}, {"q": "def add(a, b)"}],
     }
     for name, recs in rows.items():
@@ -229,20 +228,22 @@ def test_prompts_cli_reports_drops_per_rule_and_source(tmp_path: Path, capsys: A
         == 0
     )
     text = capsys.readouterr().out
-    assert "3 dropped (near_duplicate 1, ngram 1, signature 1)" in text
-    assert "  math: near_duplicate 1, ngram 1" in text and "  code: signature 1" in text
+    assert (
+        "3 dropped (ngram 1, signature 1, near_duplicate 1; "
+        "each rule alone: ngram 1, signature 1, near_duplicate 2)" in text
+    )
+    assert "  math: ngram 1, near_duplicate 1 (each rule alone: ngram 1, near_duplicate 2)" in text
+    assert "  code: signature 1 (each rule alone: signature 1)" in text
     log = [json.loads(line) for line in (tmp_path / "prompts.jsonl.decontam.jsonl").open()]
-    assert [(d["id"], d["source"], d["rule"], d["eval"]) for d in log] == [
-        ("math/0", "math", "near_duplicate", "eval.jsonl/p1"),
-        ("math/2", "math", "ngram", "eval.jsonl/p1"),
-        ("code/0", "code", "signature", "eval.jsonl/T/1"),
+    assert [(d["id"], d["source"], d["rule"], d["eval"], d["also"]) for d in log] == [
+        ("math/0", "math", "near_duplicate", "eval.jsonl/p1", []),
+        ("math/2", "math", "ngram", "eval.jsonl/p1", ["near_duplicate"]),
+        ("code/0", "code", "signature", "eval.jsonl/T/1", []),
     ]
     sidecar = json.loads((tmp_path / "prompts.jsonl.sources.json").read_text())
-    assert sidecar["decontamination"]["dropped_by_rule"] == {
-        "near_duplicate": 1,
-        "ngram": 1,
-        "signature": 1,
-    }
+    d = sidecar["decontamination"]
+    assert d["dropped_by_rule"] == {"ngram": 1, "signature": 1, "near_duplicate": 1}
+    assert d["matched_by_rule"] == {"ngram": 1, "signature": 1, "near_duplicate": 2}
     assert [(s["name"], s["decontaminated_by"], s["written"]) for s in sidecar["sources"]] == [
         ("math", {"near_duplicate": 1, "ngram": 1}, 1),
         ("code", {"signature": 1}, 1),

@@ -34,7 +34,7 @@ chat corpus costs one set lookup per word; the near-duplicate index works the sa
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ from dflash_trainer.data.overlap_text import (
     signatures,
     tokens,
 )
-from dflash_trainer.data.overlap_text import words as words
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import iter_values
 from dflash_trainer.errors import DFlashError
@@ -72,6 +71,8 @@ class Match:
     """One of RULES."""
     evidence: str
     """The shared n-gram, the shared signature, or the near-duplicate's containment."""
+    also: tuple[str, ...] = ()
+    """The other rules that match the same conversation too (`check` fills it in)."""
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -126,7 +127,7 @@ class EvalIndex:
         if n < 1:
             raise DFlashError(f"n-gram size must be >= 1, got {n}")
         self.n = n
-        self.rules = tuple(r for r in RULES if r in set(rules))
+        self.rules = parse_rules(",".join(rules))
         self._grams: dict[tuple[str, ...], str] = {}
         self._vocab: set[str] = set()
         self._signatures: dict[Signature, str] = {}
@@ -226,10 +227,15 @@ class EvalIndex:
         evidence = f"containment {hit.containment:.2f} ({hit.shared} of {hit.size} shingles)"
         return Match(hit.eval_id, "near_duplicate", evidence)
 
+    def _order(self, rules: Iterable[str] | None) -> tuple[str, ...]:
+        """`rules` (default: the index's) in RULES order."""
+        chosen = set(self.rules if rules is None else parse_rules(",".join(rules)))
+        return tuple(r for r in RULES if r in chosen)
+
     def find(self, text: str, rules: Iterable[str] | None = None) -> Match | None:
         """The first rule (in RULES order, of `rules` or the index's) matching `text`, or None."""
         ws = tokens(text)
-        for rule in self.rules if rules is None else [r for r in RULES if r in set(rules)]:
+        for rule in self._order(rules):
             if rule == "ngram":
                 hit = self._find_ngram(ws)
             elif rule == "signature":
@@ -241,12 +247,17 @@ class EvalIndex:
         return None
 
     def check(self, conv: Conversation, rules: Iterable[str] | None = None) -> Match | None:
-        """The first match of a user turn of `conv` (assistant turns are not checked)."""
-        for m in conv.messages:
-            if m["role"] == "user":
-                hit = self.find(m["content"], rules)
-                if hit is not None:
-                    return hit
+        """The first match of a user turn of `conv` (assistant turns are not checked), with
+        the later rules that match too, so that the report can say what each rule alone drops
+        (only dropped conversations pay for that)."""
+        users = [m["content"] for m in conv.messages if m["role"] == "user"]
+        active = self._order(rules)
+        for text in users:
+            hit = self.find(text, active)
+            if hit is not None:
+                others = [r for r in active if r != hit.rule]
+                also = tuple(r for r in others if any(self.find(t, [r]) for t in users))
+                return replace(hit, also=also)
         return None
 
     def settings(self) -> dict[str, Any]:

@@ -6,8 +6,9 @@ atomically (a temporary sibling renamed into place, the prompts file last):
   `dflash data regenerate` (and `prepare`, for chat sources) reads;
 - `prompts.jsonl.sources.json`: per-source counts (read, kept, skipped by reason, dropped by
   decontamination, over the cap, written) and the decontamination settings;
-- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, source, rule, eval id and
-  what matched (the shared n-gram, the signature, or the near-duplicate's containment).
+- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, source, the rule that
+  dropped it, eval id, what matched (the shared n-gram, the signature, or the near-duplicate's
+  containment) and `also`, the later rules that match it too.
 
 Order: each source is shuffled by a seeded hash of its ids (so a cap, or any prefix of the
 file, is a random subset and not the file's head), then sources are interleaved so that every
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import ConfigError, SourceConfig, config_from_dict, load_yaml
-from dflash_trainer.data.decontam import EvalIndex
+from dflash_trainer.data.decontam import RULES, EvalIndex
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import SourceReport, describe_skip, read_source
 from dflash_trainer.errors import DFlashError
@@ -90,8 +91,13 @@ def interleave(streams: list[list[Conversation]], weights: list[float]) -> Itera
 class Mixture:
     conversations: list[Conversation]
     reports: list[SourceReport]
-    dropped: list[dict[str, str]] = field(default_factory=list)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per dropped record, as written to `OUT.decontam.jsonl`."""
     decontam: dict[str, Any] = field(default_factory=dict)
+
+
+def _rule_order(counts: Counter[str]) -> dict[str, int]:
+    return {r: counts[r] for r in RULES if counts[r]}
 
 
 def build_mixture(
@@ -102,7 +108,8 @@ def build_mixture(
     """Read every source, drop cross-source duplicates (the earlier source keeps it), drop
     contaminated records, apply caps, interleave by weight."""
     seen: set[str] = set()
-    streams, reports, dropped = [], [], []
+    streams, reports = [], []
+    dropped: list[dict[str, Any]] = []
     for src in sources:
         convs, report = read_source(src)
         kept = []
@@ -124,6 +131,7 @@ def build_mixture(
                         "rule": hit.rule,
                         "eval": hit.eval_id,
                         "match": hit.evidence,
+                        "also": list(hit.also),
                     }
                 )
                 continue
@@ -141,10 +149,17 @@ def build_mixture(
         reports.append(report)
     mixed = list(interleave(streams, [s.weight for s in sources]))
     by_rule = Counter(d["rule"] for d in dropped)
+    # What each rule alone would drop (a record matched by two rules counts under both).
+    each_rule = Counter(r for d in dropped for r in [d["rule"], *d["also"]])
+    per_source: dict[str, Counter[str]] = {}
+    for d in dropped:
+        per_source.setdefault(d["source"], Counter()).update([d["rule"], *d["also"]])
     info: dict[str, Any] = {
         "enabled": index is not None,
         "dropped": len(dropped),
-        "dropped_by_rule": dict(sorted(by_rule.items())),
+        "dropped_by_rule": _rule_order(by_rule),
+        "matched_by_rule": _rule_order(each_rule),
+        "matched_by_rule_per_source": {k: _rule_order(v) for k, v in per_source.items()},
     }
     if index is not None:
         info |= index.settings()
@@ -227,7 +242,7 @@ def format_source_counts(sidecar: dict[str, Any]) -> str:
 
 
 def _by_rule(counts: dict[str, int]) -> str:
-    return ", ".join(f"{rule} {n}" for rule, n in counts.items() if n) or "-"
+    return ", ".join(f"{rule} {counts[rule]}" for rule in RULES if counts.get(rule)) or "-"
 
 
 def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
@@ -236,9 +251,11 @@ def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
     if not d.get("enabled"):
         return ["decontamination: off"]
     rules = d.get("rules", ["ngram"])  # files written before the other rules: n-grams only
+    several = len(rules) > 1 and "matched_by_rule" in d
+    each = f"; each rule alone: {_by_rule(d['matched_by_rule'])}" if several else ""
     lines = [
-        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {}))}) "
-        f"by {', '.join(rules)} against {d['eval_texts']}: {d['ngram']}-word n-grams "
+        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {}))}"
+        f"{each}) by {', '.join(rules)} against {d['eval_texts']}: {d['ngram']}-word n-grams "
         f"({d['eval_ngrams']:,})"
         + (f", {d['eval_signatures']} signatures" if "signature" in rules else "")
         + (
@@ -249,7 +266,9 @@ def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
     ]
     for s in sidecar["sources"]:
         if s.get("decontaminated"):
-            lines.append(f"  {s['name']}: {_by_rule(s.get('decontaminated_by', {}))}")
+            alone = d.get("matched_by_rule_per_source", {}).get(s["name"])
+            tail = f" (each rule alone: {_by_rule(alone)})" if several and alone else ""
+            lines.append(f"  {s['name']}: {_by_rule(s.get('decontaminated_by', {}))}{tail}")
     return lines
 
 

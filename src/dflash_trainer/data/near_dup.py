@@ -1,17 +1,19 @@
 """Near-duplicates of evaluation texts: word-shingle containment after names and numbers go.
 
-A copied word problem with its names, pronouns and numbers changed ("Ulrich wants to buy a jump
-rope that costs $9 ..." for GSM8K's "Dora wants to buy a skipping rope that costs $6 ...")
-shares no 13 words in a row with the original, but once `shape_tokens` has replaced the names,
-pronouns and numbers, most of the original's 4-word shingles are still there. The score is the
+A copied word problem with its names, pronouns, numbers and a few nouns changed ("Ulrich wants
+to buy a jump rope that costs $9 ..." for GSM8K's "Dora wants to buy a skipping rope that costs
+$6 ...") need not share 13 words in a row with the original, but once `shape_tokens` has
+replaced the names, pronouns and numbers, most of the original's 4-word shingles are there. The score is the
 containment of the eval text in the training text: shared shingles / the eval text's shingles
 (containment, not Jaccard, so that a problem pasted inside a longer prompt still counts).
 
 Measured on the `smollm2-mix` sources against GSM8K test, HumanEval and MT-Bench (docs/data.md):
-the two known near-copies score 0.91 (asdiv/663 ~ gsm8k/632) and 0.74 (asdiv/657 ~
-gsm8k/431); the highest unrelated pair is below 0.51 (a codeio task holding HumanEval/13's
-function, which the signature rule drops) and the next below 0.36 (two age puzzles with the
-same stock phrases). Hence the default threshold 0.6, and at least 10 shared shingles, so an
+the two known near-copies score 1.00 (asdiv/663 ~ gsm8k/632) and 0.76 (asdiv/657 ~
+gsm8k/431). The highest other score is 0.46 (codeio/2628, a longest-common-subsequence
+implementation like the one MT-Bench 124 asks about; the n-gram rule drops it), then 0.30
+(a regex matcher sharing that code's loop headers) and 0.29 (an ASDiv problem with a GSM8K
+problem's "mother gave ... how much money does X have left" frame around other items). Hence
+the default threshold 0.6, in the middle of the gap, and at least 10 shared shingles, so an
 eval text shorter than 13 words never matches this way (it carries too little to tell a copy
 from a common question).
 
@@ -116,7 +118,7 @@ class NearDupIndex:
         for n, shared in counts.items():
             size = self._sizes[n]
             score = shared / size
-            if shared >= self.min_shared and score >= self.threshold:
-                if best is None or score > best.containment:
-                    best = NearHit(self._ids[n], score, shared, size)
+            ok = shared >= self.min_shared and score >= self.threshold
+            if ok and (best is None or score > best.containment):
+                best = NearHit(self._ids[n], score, shared, size)
         return best

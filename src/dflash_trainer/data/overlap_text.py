@@ -38,8 +38,8 @@ _NUMBER_RUN = re.compile(rf"(?<!\S){_NUM}(?!\S)(?: {_NUM}(?!\S))*")
 # one space: not the start of a sentence, so a name ("does Dora need", "and Max,").
 _MID_CAPITAL = re.compile(r"(?<=[a-z0-9,;:] )[A-Z][a-z]+\b")
 _PRONOUNS = dict.fromkeys(
-    "he she him her his hers himself herself they them their theirs themselves".split(), PRONOUN
-)
+    ("he", "she", "him", "her", "his", "hers", "himself", "herself"), PRONOUN
+) | dict.fromkeys(("they", "them", "their", "theirs", "themselves"), PRONOUN)
 _DEF = re.compile(r"\bdef\s+([A-Za-z_]\w*)\s*\(")
 _PARAM_NAME = re.compile(r"\**\s*([A-Za-z_]\w*)")
 _MAX_PARAMS_CHARS = 2000
@@ -69,7 +69,9 @@ def shape_tokens(text: str, ts: list[str] | None = None) -> list[str]:
 
 def _split_params(text: str, start: int) -> list[str] | None:
     """The top-level comma-separated pieces between `(` (just before `start`) and its `)`."""
-    depth, piece, pieces = 0, [], []
+    depth = 0
+    piece: list[str] = []
+    pieces: list[str] = []
     end = min(len(text), start + _MAX_PARAMS_CHARS)
     for i in range(start, end):
         ch = text[i]
