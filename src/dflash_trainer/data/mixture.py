@@ -268,7 +268,8 @@ def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
         if s.get("decontaminated"):
             alone = d.get("matched_by_rule_per_source", {}).get(s["name"])
             tail = f" (each rule alone: {_by_rule(alone)})" if several and alone else ""
-            lines.append(f"  {s['name']}: {_by_rule(s.get('decontaminated_by', {}))}{tail}")
+            first = s.get("decontaminated_by", {"ngram": s["decontaminated"]})
+            lines.append(f"  {s['name']}: {_by_rule(first)}{tail}")
     return lines
 
 
