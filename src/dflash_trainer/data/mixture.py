@@ -254,7 +254,7 @@ def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
     several = len(rules) > 1 and "matched_by_rule" in d
     each = f"; each rule alone: {_by_rule(d['matched_by_rule'])}" if several else ""
     lines = [
-        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {}))}"
+        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {'ngram': d['dropped']}))}"
         f"{each}) by {', '.join(rules)} against {d['eval_texts']}: {d['ngram']}-word n-grams "
         f"({d['eval_ngrams']:,})"
         + (f", {d['eval_signatures']} signatures" if "signature" in rules else "")
