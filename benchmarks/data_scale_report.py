@@ -67,6 +67,7 @@ def main() -> None:
             "prompts_written": s.get("written"),
             "user_turns": s.get("user_turns"),
             "decontaminated": s.get("decontaminated"),
+            "decontaminated_by": s.get("decontaminated_by"),
             **regen.get(name, {}),
             "prepared": by_source_prep.get(name),
         }

@@ -286,7 +286,17 @@ def test_mixture_caps_dedupes_across_sources_and_decontaminates(tmp_path: Path) 
     ra, rb = mix.reports
     assert (ra.records, ra.kept, ra.decontaminated, ra.over_cap, ra.written) == (21, 21, 1, 15, 5)
     assert (rb.records, rb.kept, rb.written, dict(rb.skipped)) == (2, 1, 1, {"duplicate": 1})
-    assert mix.dropped == [{"id": "a/20", "source": "a", "eval": "eval.jsonl/e1", "ngram": leak}]
+    assert mix.dropped == [
+        {
+            "id": "a/20",
+            "source": "a",
+            "rule": "ngram",
+            "eval": "eval.jsonl/e1",
+            "match": leak,
+            "also": ["near_duplicate"],
+        }
+    ]
+    assert ra.decontaminated_by == {"ngram": 1}
     assert [c.id.split("/")[0] for c in mix.conversations] == ["a", "a", "b", "a", "a", "a"]
     again = build_mixture(sources, index, seed=0)
     assert [c.id for c in again.conversations] == [c.id for c in mix.conversations]

@@ -6,7 +6,9 @@ atomically (a temporary sibling renamed into place, the prompts file last):
   `dflash data regenerate` (and `prepare`, for chat sources) reads;
 - `prompts.jsonl.sources.json`: per-source counts (read, kept, skipped by reason, dropped by
   decontamination, over the cap, written) and the decontamination settings;
-- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, eval id, shared n-gram.
+- `prompts.jsonl.decontam.jsonl`: one line per dropped record: id, source, the rule that
+  dropped it, eval id, what matched (the shared n-gram, the signature, or the near-duplicate's
+  containment) and `also`, the later rules that match it too.
 
 Order: each source is shuffled by a seeded hash of its ids (so a cap, or any prefix of the
 file, is a random subset and not the file's head), then sources are interleaved so that every
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.config import ConfigError, SourceConfig, config_from_dict, load_yaml
-from dflash_trainer.data.decontam import EvalIndex
+from dflash_trainer.data.decontam import RULES, EvalIndex
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import SourceReport, describe_skip, read_source
 from dflash_trainer.errors import DFlashError
@@ -89,8 +91,13 @@ def interleave(streams: list[list[Conversation]], weights: list[float]) -> Itera
 class Mixture:
     conversations: list[Conversation]
     reports: list[SourceReport]
-    dropped: list[dict[str, str]] = field(default_factory=list)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per dropped record, as written to `OUT.decontam.jsonl`."""
     decontam: dict[str, Any] = field(default_factory=dict)
+
+
+def _rule_order(counts: Counter[str]) -> dict[str, int]:
+    return {r: counts[r] for r in RULES if counts[r]}
 
 
 def build_mixture(
@@ -101,7 +108,8 @@ def build_mixture(
     """Read every source, drop cross-source duplicates (the earlier source keeps it), drop
     contaminated records, apply caps, interleave by weight."""
     seen: set[str] = set()
-    streams, reports, dropped = [], [], []
+    streams, reports = [], []
+    dropped: list[dict[str, Any]] = []
     for src in sources:
         convs, report = read_source(src)
         kept = []
@@ -115,8 +123,16 @@ def build_mixture(
             hit = index.check(conv) if index is not None else None
             if hit is not None:
                 report.decontaminated += 1
+                report.decontaminated_by[hit.rule] += 1
                 dropped.append(
-                    {"id": conv.id, "source": src.name, "eval": hit.eval_id, "ngram": hit.ngram}
+                    {
+                        "id": conv.id,
+                        "source": src.name,
+                        "rule": hit.rule,
+                        "eval": hit.eval_id,
+                        "match": hit.evidence,
+                        "also": list(hit.also),
+                    }
                 )
                 continue
             kept.append(conv)
@@ -132,9 +148,21 @@ def build_mixture(
         streams.append(kept)
         reports.append(report)
     mixed = list(interleave(streams, [s.weight for s in sources]))
-    info: dict[str, Any] = {"enabled": index is not None, "dropped": len(dropped)}
+    by_rule = Counter(d["rule"] for d in dropped)
+    # What each rule alone would drop (a record matched by two rules counts under both).
+    each_rule = Counter(r for d in dropped for r in [d["rule"], *d["also"]])
+    per_source: dict[str, Counter[str]] = {}
+    for d in dropped:
+        per_source.setdefault(d["source"], Counter()).update([d["rule"], *d["also"]])
+    info: dict[str, Any] = {
+        "enabled": index is not None,
+        "dropped": len(dropped),
+        "dropped_by_rule": _rule_order(by_rule),
+        "matched_by_rule": _rule_order(each_rule),
+        "matched_by_rule_per_source": {k: _rule_order(v) for k, v in per_source.items()},
+    }
     if index is not None:
-        info |= {"ngram": index.n, "eval_texts": index.texts, "eval_ngrams": len(index)}
+        info |= index.settings()
     return Mixture(mixed, reports, dropped, info)
 
 
@@ -170,7 +198,7 @@ def write_mixture(mix: Mixture, out: Path, meta: dict[str, Any]) -> None:
         temps.append(
             (
                 _write_atomic(
-                    log_path, (json.dumps(d, ensure_ascii=False) + "\n" for d in mix.dropped)
+                    log_path, (json.dumps(d, ensure_ascii=True) + "\n" for d in mix.dropped)
                 ),
                 log_path,
             )
@@ -208,16 +236,41 @@ def format_source_counts(sidecar: dict[str, Any]) -> str:
         )
     reasons = sorted({r for s in sidecar["sources"] for r in s["skipped"]})
     lines += [f"  {r}: {describe_skip(r)}" for r in reasons]
-    d = sidecar.get("decontamination", {})
-    if d.get("enabled"):
-        lines.append(
-            f"decontamination: {d['dropped']} dropped, {d['ngram']}-word n-grams of "
-            f"{d['eval_texts']} ({d['eval_ngrams']:,} n-grams)"
-        )
-    else:
-        lines.append("decontamination: off")
+    lines += _decontam_lines(sidecar)
     lines.append(f"written: {sidecar['written']:,} conversations")
     return "\n".join(lines)
+
+
+def _by_rule(counts: dict[str, int]) -> str:
+    return ", ".join(f"{rule} {counts[rule]}" for rule in RULES if counts.get(rule)) or "-"
+
+
+def _decontam_lines(sidecar: dict[str, Any]) -> list[str]:
+    """The decontamination summary: settings, drops per rule, and per rule of each source."""
+    d = sidecar.get("decontamination", {})
+    if not d.get("enabled"):
+        return ["decontamination: off"]
+    rules = d.get("rules", ["ngram"])  # files written before the other rules: n-grams only
+    several = len(rules) > 1 and "matched_by_rule" in d
+    each = f"; each rule alone: {_by_rule(d['matched_by_rule'])}" if several else ""
+    lines = [
+        f"decontamination: {d['dropped']} dropped ({_by_rule(d.get('dropped_by_rule', {'ngram': d['dropped']}))}"
+        f"{each}) by {', '.join(rules)} against {d['eval_texts']}: {d['ngram']}-word n-grams "
+        f"({d['eval_ngrams']:,})"
+        + (f", {d['eval_signatures']} signatures" if "signature" in rules else "")
+        + (
+            f", near duplicates at containment >= {d['near_duplicate']['containment']}"
+            if "near_duplicate" in rules
+            else ""
+        )
+    ]
+    for s in sidecar["sources"]:
+        if s.get("decontaminated"):
+            alone = d.get("matched_by_rule_per_source", {}).get(s["name"])
+            tail = f" (each rule alone: {_by_rule(alone)})" if several and alone else ""
+            first = s.get("decontaminated_by", {"ngram": s["decontaminated"]})
+            lines.append(f"  {s['name']}: {_by_rule(first)}{tail}")
+    return lines
 
 
 # ---------------------------------------------------------------- prepared datasets

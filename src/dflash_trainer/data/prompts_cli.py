@@ -8,7 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.data.decontam import BUILTIN_EVALS, DEFAULT_NGRAM, build_index
+from dflash_trainer.data.decontam import (
+    BUILTIN_EVALS,
+    DEFAULT_NGRAM,
+    RULES,
+    build_index,
+    parse_rules,
+)
+from dflash_trainer.data.near_dup import DEFAULT_CONTAINMENT
 
 
 def add_parser(sub: Any) -> None:
@@ -34,7 +41,18 @@ def add_parser(sub: Any) -> None:
         type=Path,
         help="also decontaminate against this JSON/JSONL file (repeatable)",
     )
+    p.add_argument(
+        "--decontam-rules",
+        default=",".join(RULES),
+        help=f"comma-separated decontamination rules (default: all of {','.join(RULES)})",
+    )
     p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size in words")
+    p.add_argument(
+        "--near-dup-containment",
+        type=float,
+        default=DEFAULT_CONTAINMENT,
+        help="share of an eval text's shingles a prompt must hold to be its near duplicate",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the per-source order and caps")
 
 
@@ -57,7 +75,13 @@ def run(args: argparse.Namespace) -> int:
         evals = []
     index = None
     if evals or args.decontam_file:
-        index = build_index(evals, args.decontam_file, args.ngram)
+        index = build_index(
+            evals,
+            args.decontam_file,
+            args.ngram,
+            parse_rules(args.decontam_rules),
+            args.near_dup_containment,
+        )
     mix = build_mixture(sources, index, args.seed)
     meta = {"sources_spec": str(args.sources), "seed": args.seed}
     write_mixture(mix, args.out, meta)

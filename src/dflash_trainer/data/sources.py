@@ -79,6 +79,8 @@ class SourceReport:
     errors: Counter[str] = field(default_factory=Counter)
     """Exception types behind `record_error` skips (see guard)."""
     decontaminated: int = 0
+    decontaminated_by: Counter[str] = field(default_factory=Counter)
+    """Decontamination drops per rule (`decontam.RULES`)."""
     over_cap: int = 0
     written: int = 0
     user_turns: int = 0
@@ -103,6 +105,7 @@ class SourceReport:
             "damaged_bytes": self.damaged_bytes,
             "errors": dict(sorted(self.errors.items())),
             "decontaminated": self.decontaminated,
+            "decontaminated_by": dict(sorted(self.decontaminated_by.items())),
             "over_cap": self.over_cap,
             "written": self.written,
             "user_turns": self.user_turns,
