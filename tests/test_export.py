@@ -10,6 +10,7 @@ import torch
 from conftest import make_spec
 from safetensors.torch import load_file, save_file
 
+from dflash_trainer.assets import serving_name
 from dflash_trainer.cli import main
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
@@ -452,3 +453,22 @@ def test_speculators_export_warns_when_vllm_cannot_find_the_verifier(tmp_path):
     res = export_drafter(run, tmp_path / "out", "speculators")
     assert res.report.ok  # a warning: the long-form serve command still works
     assert any("neither a hub id nor a local path" in p.message for p in res.report.problems)
+
+
+def test_an_asset_target_is_named_by_its_hub_id_where_engines_read_it(tmp_path):
+    """vLLM and SGLang cannot resolve `asset:` aliases: the verifier, the card and the serve
+    commands name the hub repo the asset packages; the alias itself still loads locally."""
+    assert serving_name("asset:smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert serving_name("asset:sharegpt") == "asset:sharegpt"  # data: no hub model
+    assert serving_name("org/model") == "org/model" and serving_name(None) is None
+    meta = {"target": {"name_or_path": "asset:smollm2-135m-instruct"}}
+    run, _ = write_run(tmp_path, tiny_spec(), meta=meta)
+    res = export_drafter(run, tmp_path / "out", "speculators")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == hub
+    assert all("asset:" not in c for c in res.commands.values())
+    assert any(hub in c for c in res.commands.values())
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert hub in card and "asset:" not in card
+    assert not any("neither a hub id" in p.message for p in res.report.problems)

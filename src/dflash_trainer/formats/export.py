@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.assets import serving_name
 from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
@@ -258,24 +259,25 @@ def export_drafter(
     gguf = None if target else (meta.get("target") or {}).get("gguf_file")
     t_cfg, special = _optional_target(name, gguf, explicit=target is not None)
     tensors = _cast(state, dtype, str(source))
+    serve = serving_name(name)  # what the card, the verifier and serve commands name
     if fmt == "zlab":
         config = zlab_config(spec, dtype)
     else:
         archs = list(getattr(t_cfg, "architectures", None) or [])
-        config = speculators_config(spec, dtype, name, archs)
+        config = speculators_config(spec, dtype, serve, archs)
     _check_out(out_p, force)
     with atomic_directory(out_p, replace=True) as tmp:  # never a half-written export
         write_weights(tmp / WEIGHTS_NAME, tensors)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), name))
+        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), serve))
     report = check_export(out_p, t_cfg, special)
-    if fmt == "speculators" and name and not hub_id(name) and not Path(name).exists():
+    if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():
         report.warn(
             "speculators_config.verifier.name_or_path",
-            f"{name!r} is neither a hub id nor a local path: `vllm serve DIR` cannot load it",
+            f"{serve!r} is neither a hub id nor a local path: `vllm serve DIR` cannot load it",
             "re-export with --target set to the target's hub id or directory",
         )
-    return ExportResult(out_p, fmt, report, serve_commands(fmt, str(out_p), name, spec))
+    return ExportResult(out_p, fmt, report, serve_commands(fmt, str(out_p), serve, spec))
 
 
 def _meta_target(meta: dict[str, Any]) -> str | None:

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The headline SmolLM2 drafter on one GPU: train the `smollm2-135m` recipe to the end of its
+# schedule on the data-at-scale set, evaluate it (GSM8K, MT-Bench, HumanEval; t=0 and t=1;
+# CUDA-graph decoding against the target alone, plus plain eager HF decoding at t=0), export
+# it to both serving layouts, and write the headline JSON with each goal met or not.
+#
+#   DATA=benchmarks/out/data_scale/prep bash benchmarks/gpu/headline.sh
+#   STEPS=200 SAMPLES=10 DATA=... bash benchmarks/gpu/headline.sh      # a short rehearsal
+#
+# Resumable: run it again after an interruption and training continues from the run
+# directory's latest checkpoint (`dflash train --resume`); finished stages are not redone.
+# Inputs: DATA (required): a prepared directory (`dflash data prepare` output); the SmolLM2
+#   and eval-set asset packages (docs/assets.md).
+# Knobs: RUN (benchmarks/out/headline/run), STEPS (the recipe's schedule when empty),
+#   SAMPLES (40 prompts per set), MAX_NEW_TOKENS (256), PUBLISH (drafters/smollm2-135m-dflash-b16),
+#   EXTRA (more training overrides), OUT (benchmarks/out/headline).
+# Outputs: $OUT/headline_smollm2_h200.json (what benchmarks/results/ keeps), $OUT/t0, $OUT/t1,
+#   $OUT/eager (eval reports), $OUT/zlab and $OUT/speculators (checked exports), $PUBLISH.
+# Runtime: training dominates: tokens x epochs / packed tokens per second
+#   (benchmarks/small_target_speed_h200_202612.md), then about 10 minutes of evaluation.
+# Result document: benchmarks/headline_smollm2_h200_<date>.md
+source "$(dirname "$0")/../lib.sh"
+DATA="${DATA:?set DATA to a prepared directory}"
+OUT="${OUT:-$REPO/benchmarks/out/headline}"
+RUN="${RUN:-$OUT/run}"
+PUBLISH="${PUBLISH:-$REPO/drafters/smollm2-135m-dflash-b16}"
+mkdir -p "$OUT"
+report_env | tee "$OUT/env.txt"
+
+echo "== train"
+steps=()
+[ -n "${STEPS:-}" ] && steps=("training.max_steps=$STEPS")
+if [ -e "$RUN/LATEST" ]; then
+  $DFLASH train --resume "$RUN" 2>&1 | tee -a "$OUT/train.log"
+else
+  $DFLASH train --recipe smollm2-135m "data.train=$DATA" "run.output_dir=$RUN" "${steps[@]}" \
+    ${EXTRA:-} 2>&1 | tee "$OUT/train.log"
+fi
+
+echo "== evaluate"
+evaluate() {  # name, temperature, then extra flags
+  local name=$1 temp=$2
+  shift 2
+  [ -e "$OUT/$name/eval.json" ] && return 0
+  $DFLASH eval --drafter "$RUN" --prompts gsm8k,mt-bench,humaneval \
+    --max-samples "${SAMPLES:-40}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" \
+    --temperature "$temp" --allow-mismatch --no-progress --out-dir "$OUT/$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+}
+evaluate t0 0
+evaluate t1 1
+evaluate eager 0 --decode eager
+
+echo "== export"
+for layout in zlab speculators; do
+  $DFLASH export "$RUN" --to "$layout" "$OUT/$layout" --force
+  $DFLASH export --check "$OUT/$layout"
+done
+mkdir -p "$(dirname "$PUBLISH")"
+rm -rf "$PUBLISH.tmp" && cp -r "$OUT/zlab" "$PUBLISH.tmp" && rm -rf "$PUBLISH" && mv "$PUBLISH.tmp" "$PUBLISH"
+
+echo "== report"
+"$PY" benchmarks/headline_report.py --t0 "$OUT/t0" --t1 "$OUT/t1" --eager "$OUT/eager" \
+  --drafter "${PUBLISH#"$REPO"/}" --out "$OUT/headline_smollm2_h200.json"
