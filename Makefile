@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 RUN_DIR ?= runs/smollm2-135m-demo
+PUBLISHED ?= drafters/smollm2-135m-dflash-b16
 
 .PHONY: setup test lint typecheck unit demo clean
 
@@ -37,6 +38,11 @@ test: lint typecheck unit
 demo: setup
 	$(BIN)/dflash train --recipe smollm2-135m-demo run.output_dir=$(RUN_DIR)
 	$(BIN)/dflash eval --drafter $(RUN_DIR) --prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval
+	# What a full run delivers: the published drafter on the same prompts, once it is in the repo.
+	if [ -d $(PUBLISHED) ]; then \
+		$(BIN)/dflash eval --drafter $(PUBLISHED) --target asset:smollm2-135m-instruct \
+			--prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval-published; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
