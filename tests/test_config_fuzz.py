@@ -19,7 +19,6 @@ import copy
 import dataclasses
 import json
 import math
-import signal
 import typing
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 import yaml
+from fuzz_support import show, time_limit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
@@ -163,22 +163,7 @@ def report_counts(request, tmp_path_factory) -> Iterator[None]:
     out = tmp_path_factory.getbasetemp() / "config_fuzz_counts.json"
     counts = {k: COUNTS[k] for k in ("generated", "accepted", "rejected", "tracebacks")}
     out.write_text(json.dumps(counts, indent=1))
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    line = f"config fuzz: {json.dumps(counts)} ({out})"
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # shown without -s too
-            reporter.write_line(f"\n{line}")
-    else:
-        print(line)
-
-
-class _Slow(BaseException):
-    """Raised by the alarm: not an Exception, so no code under test can swallow it."""
-
-
-def _alarm(signum: int, frame: Any) -> None:
-    raise _Slow(f"one example took more than {SECONDS_PER_EXAMPLE} s")
+    show(request, f"config fuzz: {json.dumps(counts)} ({out})")
 
 
 def builds(cfg: Config) -> None:
@@ -194,11 +179,10 @@ def builds(cfg: Config) -> None:
 def judge(make: Any, touched: list[str]) -> None:
     """Run `make()` (which validates) then `builds`; classify the outcome."""
     COUNTS["generated"] += 1
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS_PER_EXAMPLE)
     try:
-        cfg = make()
-        builds(cfg)
+        with time_limit(SECONDS_PER_EXAMPLE, "example"):
+            cfg = make()
+            builds(cfg)
     except (ConfigError, DFlashError) as e:
         msg = str(e)
         named = any(p in msg for p in FIELD_PATHS | set(touched)) or msg.startswith("override ")
@@ -208,9 +192,6 @@ def judge(make: Any, touched: list[str]) -> None:
     except Exception:
         COUNTS["tracebacks"] += 1
         raise
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     COUNTS["accepted"] += 1
 
 

@@ -24,13 +24,13 @@ import gzip
 import itertools
 import json
 import shutil
-import signal
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fuzz_support import show, time_limit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_data_support import tiny_tokenizer
@@ -87,22 +87,8 @@ def report_counts(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Iter
     counts = {k: COUNTS[k] for k in ("generated", "accepted", "rejected", "tracebacks")}
     counts |= {k: v for k, v in sorted(COUNTS.items()) if k.startswith("prepare_")}
     out.write_text(json.dumps({"counts": counts, "skipped": dict(SKIPS.most_common())}, indent=1))
-    line = f"data fuzz: {json.dumps(counts)}; skip reasons seen: {dict(SKIPS.most_common())}"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # shown without -s too
-            reporter.write_line(f"\n{line} ({out})")
-    else:
-        print(line)
-
-
-class _Slow(BaseException):
-    """Raised by the alarm: not an Exception, so no code under test can swallow it."""
-
-
-def _alarm(signum: int, frame: Any) -> None:
-    raise _Slow(f"one input took more than {SECONDS_PER_EXAMPLE} s")
+    show(request, f"data fuzz: {json.dumps(counts)}; skip reasons seen: "
+                  f"{dict(SKIPS.most_common())} ({out})")  # fmt: skip
 
 
 def _counted(report: ReadReport | SourceReport) -> None:
@@ -114,19 +100,15 @@ def _counted(report: ReadReport | SourceReport) -> None:
 def judge(path: Path, read: Callable[[], Any], kind: str = "") -> None:
     """Run one reader on `path`; classify the outcome (see the module docstring)."""
     COUNTS["generated"] += 1
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS_PER_EXAMPLE)
     rejected: DFlashError | None = None
     try:
-        read()
+        with time_limit(SECONDS_PER_EXAMPLE, "input"):
+            read()
     except DFlashError as e:
         rejected = e
     except Exception:
         COUNTS["tracebacks"] += 1
         raise
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     outcome = "accepted" if rejected is None else "rejected"
     if rejected is not None:
         assert path.name in str(rejected), f"rejected without naming {path.name}: {rejected}"

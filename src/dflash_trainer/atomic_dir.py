@@ -96,11 +96,12 @@ def fsync_tree(root: Path) -> None:
     """fsync every file and directory under `root` (files first, then their directories)."""
     for dirpath, _, files in os.walk(root, topdown=False):
         for f in files:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory, as far as the file system allows (no error if it cannot)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -185,7 +186,7 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
             os.replace(old, final)
             _ACTIVE.discard(old)
         raise
-    _fsync(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         if old.is_symlink():
             old.unlink()

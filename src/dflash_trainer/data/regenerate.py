@@ -390,8 +390,7 @@ class _Job:
                         active.append(s)
                     else:
                         self._finish(s)
-                elapsed = time.perf_counter() - self.t0
-                self.bar.set_postfix(tok_s=f"{self.report.new_tokens / max(elapsed, 1e-9):.0f}")
+                self._show_speed()
 
     def run_window_chained(self, convs: list[Conversation], chains: Any) -> None:
         """Every conversation as one chain of turns on an engine that queues a conversation's

@@ -47,7 +47,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.atomic_dir import atomic_directory, remove_stale
+from dflash_trainer.atomic_dir import atomic_directory, fsync_path, remove_stale
 from dflash_trainer.config import Config
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
@@ -240,7 +240,7 @@ class Checkpointer:
             tmp.write_text(name + "\n")
             _fsync_file(tmp)
             os.replace(tmp, Path(self.path) / LATEST)
-            _fsync_dir(Path(self.path))
+            fsync_path(Path(self.path))
         else:
             with self.fs.open(f"{self.path}/{LATEST}", "w") as f:
                 f.write(name + "\n")
@@ -468,18 +468,5 @@ def _fsync_file(p: Path) -> None:
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
