@@ -14,7 +14,9 @@
 #   eval sets of docs/assets.md (decontamination).
 # Knobs: MODEL (asset:smollm2-135m-instruct), PROMPTS, SYNTH_N (20000), MAX_NEW_TOKENS (512),
 #   MAX_CONVERSATION_TOKENS (4096), REGEN_SECONDS (0 = to the end; SIGINT at the limit keeps
-#   every finished record and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale).
+#   every finished record and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale),
+#   ENGINE_ARGS (engine settings of both synthesis and regeneration: "--batch-size 1024
+#   --compile-decode", the fastest of benchmarks/gpu/regenerate_speed.sh).
 # Outputs: $OUT/data_scale.json, $OUT/prompts.jsonl(.sources.json, .decontam.jsonl),
 #   $OUT/synth.jsonl(.report.json), $OUT/regen.jsonl, $OUT/prep/, $OUT/*.log
 # Runtime: regeneration dominates: useful tokens / engine tokens per second
@@ -24,6 +26,7 @@ source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/data_scale}"
 MODEL="${MODEL:-asset:smollm2-135m-instruct}"
 SEED="${SEED:-0}"
+ENGINE_ARGS="${ENGINE_ARGS:---batch-size 1024 --compile-decode}"
 mkdir -p "$OUT"
 report_env | tee "$OUT/env.txt"
 start=$(date +%s)
@@ -41,7 +44,7 @@ fi
 
 echo "== synthesize ${SYNTH_N:-20000} prompts"
 $DFLASH data synthesize --model "$MODEL" --n "${SYNTH_N:-20000}" --topics math,code,chat,writing \
-  --seed "$SEED" --device cuda --no-progress --out "$OUT/synth_raw.jsonl" 2>&1 | tee "$OUT/synth.log"
+  --seed "$SEED" --device cuda --no-progress --out "$OUT/synth_raw.jsonl" $ENGINE_ARGS 2>&1 | tee "$OUT/synth.log"
 printf 'sources:\n  - name: synth\n    path: %s\n    messages: messages\n' "$OUT/synth_raw.jsonl" \
   > "$OUT/synth_source.yaml"
 $DFLASH data prompts --sources "$OUT/synth_source.yaml" --seed "$SEED" --out "$OUT/synth.jsonl" \
@@ -54,7 +57,7 @@ limit=()
 "${limit[@]}" $DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
   --out "$OUT/regen.jsonl" --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
   --max-conversation-tokens "${MAX_CONVERSATION_TOKENS:-4096}" --seed "$SEED" \
-  --device cuda --no-progress 2>&1 | tee "$OUT/regen.log" || true
+  --device cuda --no-progress $ENGINE_ARGS 2>&1 | tee "$OUT/regen.log" || true
 regen_s=$(($(date +%s) - start))
 
 echo "== prepare"

@@ -234,6 +234,9 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument("--thinking", choices=sorted(_THINKING), default="default")
     y.add_argument("--batch-size", type=int, default=64, help="engine rows")
     y.add_argument("--backend", choices=["static", "hf"], default="static")
+    y.add_argument(
+        "--compile-decode", action="store_true", help="static engine: compile the decode step"
+    )
     y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     y.add_argument("--seed", type=int, default=0)
@@ -263,7 +266,14 @@ def _synthesize(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     model = load_causal_lm(args.model, _resolve_device(args.device), args.dtype)
     report = synthesize(
-        model, tokenizer, args.out, args.n, settings, args.batch_size, progress=not args.no_progress
+        model,
+        tokenizer,
+        args.out,
+        args.n,
+        settings,
+        args.batch_size,
+        progress=not args.no_progress,
+        compile_decode=args.compile_decode,
     )
     print(f"{args.out}: {report.format()} (counts in {args.out}.report.json)")
     return 0

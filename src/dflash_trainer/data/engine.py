@@ -152,8 +152,10 @@ class StaticBatchEngine:
         self.prefill_tokens = prefill_tokens or (32768 if cuda else 4096)
         self.prefill_align = prefill_align or (64 if cuda else 1)
         # A small target's decode step is a few kernels per op and layer: compiling fuses the
-        # elementwise ones (norms, rotary, activation, sampling), one compile per cache shape.
-        self._step = torch.compile(self._decode, dynamic=False) if compile_decode else self._decode
+        # elementwise ones (norms, rotary, activation, sampling). Compiled with symbolic rows
+        # and cache length, once for every shape (a compile of a 30-layer target takes most of
+        # a minute; static shapes would pay it per cache length).
+        self._step = torch.compile(self._decode, dynamic=True) if compile_decode else self._decode
         self.kv_fraction = kv_fraction
         self.settings = settings
         self.stop_set = set(stops)
@@ -299,7 +301,7 @@ class StaticBatchEngine:
         self.ids.copy_(tok[:, None])
         # Idle rows keep stepping; the clamp keeps them inside the buffer (a live row never
         # gets there: L >= prompt + max_new_tokens).
-        self.pos.add_(1).clamp_(max=self.length - 1)
+        self.pos.add_(1).clamp_(max=self.cols.shape[0] - 1)
         return tok
 
     def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> list[int]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.segment_tokens import SegmentTokenizer
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
@@ -365,6 +366,13 @@ class _Job:
     t0: float
     max_conversation_tokens: int | None = None
     seed: int = 0
+    tokens: SegmentTokenizer | None = None
+    """Piece-cached tokenization of the growing renders (data/segment_tokens.py)."""
+
+    def _ids(self, text: str) -> list[int]:
+        if self.tokens is None:
+            self.tokens = SegmentTokenizer(self.chat.tokenizer)
+        return self.tokens(text)
 
     def start(self, conv: Conversation) -> _State:
         head = [m for m in conv.messages[:1] if m["role"] == "system"]
@@ -424,7 +432,8 @@ class _Job:
         )
 
     def _prompt_fits(self, s: _State) -> bool:
-        s.prompt = self.chat.prompt_ids([*s.messages, {"role": "user", "content": s.users[0]}])
+        turn = {"role": "user", "content": s.users[0]}
+        s.prompt = self._ids(self.chat.render([*s.messages, turn], add_generation_prompt=True))
         budget = self.max_conversation_tokens
         if budget is not None and len(s.prompt) >= budget:  # no room left for an answer
             self._over_budget(s)
@@ -456,7 +465,7 @@ class _Job:
         if budget is None:
             return True
         text = self.chat.render(s.messages)
-        if len(self.chat.tokenizer(text, add_special_tokens=False)["input_ids"]) <= budget:
+        if len(self._ids(text)) <= budget:
             return True
         del s.messages[-2:]  # the turn that did not fit: the conversation ends before it
         s.finish_reasons.pop()

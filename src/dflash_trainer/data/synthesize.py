@@ -309,7 +309,12 @@ class SynthReport:
 
 
 def _generator(
-    model: Any, settings: SynthSettings, stops: list[int], pad_id: int, rows: int
+    model: Any,
+    settings: SynthSettings,
+    stops: list[int],
+    pad_id: int,
+    rows: int,
+    compile_decode: bool = False,
 ) -> Any:
     """The static engine when the target allows it (CPU too: its eager static path), else
     per-item seeded HF generate; a one-line notice says why."""
@@ -323,7 +328,9 @@ def _generator(
     )  # fmt: skip
     why = static_support(model) if settings.backend == "static" else "--backend hf"
     if why is None:
-        return StaticBatchEngine(model, gen, stops, pad_id, rows=rows)
+        return StaticBatchEngine(
+            model, gen, stops, pad_id, rows=rows, compile_decode=compile_decode
+        )
     print(f"dflash: synthesizing with per-prompt HF generate: {why}", file=sys.stderr)
     return KeyedHFGenerator(model, gen, stops, pad_id)
 
@@ -337,6 +344,7 @@ def synthesize(
     batch_size: int = 64,
     chunk: int | None = None,
     progress: bool = True,
+    compile_decode: bool = False,
 ) -> SynthReport:
     """Sample `n` user prompts from `model` (items 0..n-1), appending kept ones to `out_path`."""
     from dflash_trainer.data.regenerate import cut_at_stop, stop_ids
@@ -359,7 +367,7 @@ def synthesize(
     for rec in kept:  # file order is item order: the same state an uninterrupted run had
         dedupe.offer(rec["messages"][-1]["content"])
     report = SynthReport(requested=n, already_done=sum(item_id(i) in done for i in range(n)))
-    generator = _generator(model, settings, stops, pad_id, batch_size)
+    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode)
     topics = settings.topics or (None,)
     prefixes = {t: user_turn_prefix(chat, settings.system, t) for t in topics}
     header = asdict(settings) | {"topics": list(settings.topics)}
