@@ -228,16 +228,25 @@ def test_the_speed_benchmark_runs_and_writes_its_keys(tmp_path: Path) -> None:
 
 
 def test_compiled_decode_steps_give_the_same_answers() -> None:
-    """compile_decode fuses the decode step (one compile per cache shape): same tokens."""
+    """compile_decode fuses the decode step, compiled once for every cache shape (rows and
+    length symbolic); a chosen SDPA backend leaves the answers as they are."""
     model = tiny_llama(400)
-    prompts = _prompts(400, [12, 3, 30, 8])
+    prompts = _prompts(400, [12, 3, 30, 8, 300, 280])  # two cache lengths: 256 and 512
     settings = GenerationSettings("m", max_new_tokens=8)
     from torch._dynamo.utils import counters
 
     counters.clear()
-    engine = StaticBatchEngine(model, settings, [5], 0, rows=4, compile_decode=True)
+    engine = StaticBatchEngine(
+        model, settings, [5], 0, rows=4, compile_decode=True, decode_sdpa="math"
+    )
     assert engine.generate(prompts) == _hf(model, prompts, 8, [5])
-    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]  # compiled whole
+    assert [length for _rows, length in engine.stats.shapes] == [256, 512]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_unknown_sdpa_backend_is_named() -> None:
+    with pytest.raises(DFlashError, match="unknown SDPA backend 'fast'"):
+        StaticBatchEngine(tiny_llama(400), GenerationSettings("m"), [5], 0, decode_sdpa="fast")
 
 
 def test_chains_queue_each_next_turn_at_once_across_cache_lengths() -> None:

@@ -10,7 +10,8 @@
 # Inputs: PROMPTS, conversations or a prompts JSONL (e.g. `dflash data prompts --sources
 #   smollm2-mix` output); the SmolLM2 asset package.
 # Knobs: MODEL (asset:smollm2-135m-instruct), NEW (128), VARIANTS (all three), OUT
-#   (benchmarks/out/regenerate_speed).
+#   (benchmarks/out/regenerate_speed), ENGINE_ARGS (more regenerate_speed.py flags for every
+#   variant, e.g. "--decode-sdpa efficient --warm-pass").
 # Outputs: $OUT/<variant>.json (tokens/s of both paths, the engine's time by stage, a profiled
 #   pass's top kernels, greedy identity and fp32 logit gaps at divergences), $OUT/<variant>.log
 # Runtime: about 2 minutes a variant on an H200.
@@ -26,7 +27,8 @@ run() {  # name, then extra arguments
   shift
   echo "== $name"
   "$PY" benchmarks/regenerate_speed.py --model "$MODEL" --input "$PROMPTS" \
-    --max-new-tokens "${NEW:-128}" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 \
+    --max-new-tokens "${NEW:-128}" --out "$OUT/$name.json" "$@" ${ENGINE_ARGS:-} \
+    > "$OUT/$name.log" 2>&1 \
     || { tail -n 20 "$OUT/$name.log"; return 1; }
   "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in
     ('engine_tokens_per_s', 'hf_batched_tokens_per_s', 'speedup', 'engine_breakdown_s',

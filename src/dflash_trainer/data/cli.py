@@ -76,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--compile-decode",
         action="store_true",
-        help="static engine: compile the decode step (fewer kernels; a compile per cache shape)",
+        help="static engine: compile the decode step (fewer kernels; one compile for all shapes)",
     )
+    _add_sdpa(r)
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     r.add_argument("--seed", type=int, default=0)
@@ -203,6 +204,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         compile_decode=args.compile_decode,
+        sdpa=(args.decode_sdpa, args.prefill_sdpa),
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
@@ -215,6 +217,16 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )
     return 0
+
+
+def _add_sdpa(p: argparse.ArgumentParser) -> None:
+    for phase in ("decode", "prefill"):
+        p.add_argument(
+            f"--{phase}-sdpa",
+            metavar="BACKENDS",
+            help=f"static engine: SDPA backends of the {phase} attention, e.g. efficient,math "
+            "(default: torch's choice; benchmarks/decode_attention_speed.py compares them)",
+        )
 
 
 def _add_synthesize(sub: Any) -> None:
@@ -237,6 +249,7 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument(
         "--compile-decode", action="store_true", help="static engine: compile the decode step"
     )
+    _add_sdpa(y)
     y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     y.add_argument("--seed", type=int, default=0)
@@ -274,6 +287,7 @@ def _synthesize(args: argparse.Namespace) -> int:
         args.batch_size,
         progress=not args.no_progress,
         compile_decode=args.compile_decode,
+        sdpa=(args.decode_sdpa, args.prefill_sdpa),
     )
     print(f"{args.out}: {report.format()} (counts in {args.out}.report.json)")
     return 0

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.data.grouped_decode import grouped_decode
+from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
 from dflash_trainer.data.sampling import item_key, pick_tokens
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
@@ -139,6 +139,8 @@ class StaticBatchEngine:
         kv_fraction: float = 0.5,
         prefill_align: int | None = None,
         compile_decode: bool = False,
+        decode_sdpa: str | None = None,
+        prefill_sdpa: str | None = None,
     ) -> None:
         why = static_support(model)
         if why is not None:
@@ -156,6 +158,8 @@ class StaticBatchEngine:
         # and cache length, once for every shape (a compile of a 30-layer target takes most of
         # a minute; static shapes would pay it per cache length).
         self._step = torch.compile(self._decode, dynamic=True) if compile_decode else self._decode
+        self._decode_kernels = sdpa_backends(decode_sdpa)
+        self._prefill_kernels = sdpa_backends(prefill_sdpa)
         self.kv_fraction = kv_fraction
         self.settings = settings
         self.stop_set = set(stops)
@@ -296,7 +300,8 @@ class StaticBatchEngine:
             False,
         )
         mask = (self.cols[None, :] <= self.pos[:, None])[:, None, :]  # [B, 1, L]
-        logits = self._forward(self.ids, self.pos[:, None], mask)
+        with sdpa_scope(self._decode_kernels):
+            logits = self._forward(self.ids, self.pos[:, None], mask)
         tok = self._pick(logits, self.keys, self.pos)
         self.ids.copy_(tok[:, None])
         # Idle rows keep stepping; the clamp keeps them inside the buffer (a live row never
@@ -325,7 +330,8 @@ class StaticBatchEngine:
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.long, device=dev)
         self.cache.rows, self.cache.positions, self.cache.fresh = slots_t, pos, True
-        logits = self._forward(ids, pos, mask)
+        with sdpa_scope(self._prefill_kernels):
+            logits = self._forward(ids, pos, mask)
         first = self._pick(logits, keys_t, pos[:, -1])
         self.ids[slots_t] = first[:, None]
         self.pos[slots_t] = pos[:, -1] + 1

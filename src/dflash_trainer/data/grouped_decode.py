@@ -18,13 +18,50 @@ engine against HF `generate` token for token).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 NAME = "dflash_grouped_decode"
+
+_SDPA = {
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_backends(names: str | None) -> list[Any] | None:
+    """`"efficient,math"` -> the SDPA backends allowed, in that order; None: torch's choice.
+
+    Why a choice: at the engine's decode shapes (3 query rows per key/value head, a long
+    masked cache) the backend torch prefers is not the fastest
+    (benchmarks/decode_attention_speed.py)."""
+    if not names:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    out = []
+    for name in names.split(","):
+        key = _SDPA.get(name.strip())
+        if key is None:
+            from dflash_trainer.errors import DFlashError
+
+            raise DFlashError(f"unknown SDPA backend {name!r}; use {', '.join(_SDPA)}")
+        out.append(getattr(SDPBackend, key))
+    return out
+
+
+def sdpa_scope(backends: list[Any] | None) -> AbstractContextManager[Any]:
+    """Attention inside runs on `backends` (traceable by torch.compile); no-op for None."""
+    if backends is None:
+        return nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends)
 
 
 def grouped_decode_attention(

@@ -255,6 +255,7 @@ def _generator(
     pad_id: int,
     batch_size: int,
     compile_decode: bool,
+    sdpa: tuple[str | None, str | None] = (None, None),
 ) -> Generator:
     """The backend named in `settings`: HF batches, the static engine or vLLM."""
     if settings.backend == "hf":
@@ -263,7 +264,14 @@ def _generator(
         from dflash_trainer.data.engine import StaticBatchEngine
 
         return StaticBatchEngine(
-            model, settings, stops, pad_id, rows=batch_size, compile_decode=compile_decode
+            model,
+            settings,
+            stops,
+            pad_id,
+            rows=batch_size,
+            compile_decode=compile_decode,
+            decode_sdpa=sdpa[0],
+            prefill_sdpa=sdpa[1],
         )
     if settings.backend == "vllm":
         from dflash_trainer.data.vllm_backend import VLLMGenerator
@@ -291,6 +299,7 @@ def regenerate(
     window: int | None = None,
     progress: bool = True,
     compile_decode: bool = False,
+    sdpa: tuple[str | None, str | None] = (None, None),
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -315,7 +324,7 @@ def regenerate(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode)
+    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode, sdpa)
     report = RegenerateReport()
     done = read_done(out, settings)
     pending: list[Conversation] = []

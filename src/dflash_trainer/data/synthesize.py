@@ -315,6 +315,7 @@ def _generator(
     pad_id: int,
     rows: int,
     compile_decode: bool = False,
+    sdpa: tuple[str | None, str | None] = (None, None),
 ) -> Any:
     """The static engine when the target allows it (CPU too: its eager static path), else
     per-item seeded HF generate; a one-line notice says why."""
@@ -345,6 +346,7 @@ def synthesize(
     chunk: int | None = None,
     progress: bool = True,
     compile_decode: bool = False,
+    sdpa: tuple[str | None, str | None] = (None, None),
 ) -> SynthReport:
     """Sample `n` user prompts from `model` (items 0..n-1), appending kept ones to `out_path`."""
     from dflash_trainer.data.regenerate import cut_at_stop, stop_ids
@@ -367,7 +369,7 @@ def synthesize(
     for rec in kept:  # file order is item order: the same state an uninterrupted run had
         dedupe.offer(rec["messages"][-1]["content"])
     report = SynthReport(requested=n, already_done=sum(item_id(i) in done for i in range(n)))
-    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode)
+    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode, sdpa)
     topics = settings.topics or (None,)
     prefixes = {t: user_turn_prefix(chat, settings.system, t) for t in topics}
     header = asdict(settings) | {"topics": list(settings.topics)}
