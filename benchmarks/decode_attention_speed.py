@@ -65,7 +65,8 @@ def _inputs(kind: str, rows: int, length: int, dev: str) -> tuple[torch.Tensor, 
         cols = torch.arange(length, device=dev)
         causal = cols[None, :] <= cols[:, None]
         real = cols[None, :] >= pad[:, None]
-        mask = (causal[None] & real[:, None, :])[:, None]
+        own = cols[None, :] == cols[:, None]  # a padding column sees itself: no empty row
+        mask = ((causal[None] & real[:, None, :]) | own[None])[:, None]
     return q, k, torch.randn_like(k), mask
 
 
