@@ -27,14 +27,10 @@ import torch
 
 from dflash_trainer.data.engine import StaticBatchEngine
 from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.hf_generate import HFBatchGenerator
 from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
 from dflash_trainer.data.records import Conversation
-from dflash_trainer.data.regenerate import (
-    GenerationSettings,
-    HFBatchGenerator,
-    cut_at_stop,
-    stop_ids,
-)
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop, stop_ids
 from dflash_trainer.data.template import ChatTemplate
 
 

@@ -15,13 +15,9 @@ import time
 import torch
 
 from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.hf_generate import HFBatchGenerator, per_prompt_generate
 from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
-from dflash_trainer.data.regenerate import (
-    GenerationSettings,
-    HFBatchGenerator,
-    cut_at_stop,
-    per_prompt_generate,
-)
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop
 
 
 def main() -> None:

@@ -16,11 +16,11 @@ import torch
 from test_data_support import tiny_llama, tiny_tokenizer
 
 from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.hf_generate import per_prompt_generate
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.regenerate import (
     GenerationSettings,
     cut_at_stop,
-    per_prompt_generate,
     read_done,
     regenerate,
     stop_ids,
@@ -342,3 +342,56 @@ def test_conversation_budget_cuts_at_a_turn_boundary_and_prepare_keeps_every_tur
     assert n_cut == report.cut_at_conversation_limit
     skipped = [c.id for c in convs if c.id not in cut]
     assert len(skipped) == report.skipped_conversation_too_long
+
+
+class _Interrupting:
+    """The real engine, with a Ctrl-C arriving as the `at`-th answer comes in."""
+
+    max_batch = None
+
+    def __init__(self, engine: Any, at: int) -> None:
+        self.engine, self.at, self.answers = engine, at, 0
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        return self.engine.generate(prompts)  # type: ignore[no-any-return]
+
+    def generate_chains(self, first: Any, follow: Any) -> None:
+        def counted(chain: int, new_ids: list[int]) -> Any:
+            self.answers += 1
+            if self.answers == self.at:
+                raise KeyboardInterrupt
+            return follow(chain, new_ids)
+
+        self.engine.generate_chains(first, counted)
+
+
+def test_an_interrupted_job_keeps_the_answered_turns_of_open_conversations(
+    tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    regen = importlib.import_module("dflash_trainer.data.regenerate")  # the module, not the
+    # function of the same name that dflash_trainer.data exports
+
+    m = _talkative(tok, eos=[2, 195, 259])
+    convs = _convs(9, turns=3)
+    kw: dict[str, Any] = {"max_new_tokens": 12, "window": 9, "backend": "static"}
+    full = _run(convs, m, tok, tmp_path / "full.jsonl", **kw)
+    assert full.written == 9
+    whole = {r["id"]: r for r in _lines(tmp_path / "full.jsonl")}
+    real = regen._generator
+    monkeypatch.setattr(regen, "_generator", lambda *a, **k: _Interrupting(real(*a, **k), 8))
+    out = tmp_path / "regen.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        _run(convs, m, tok, out, **kw)
+    kept = _lines(out)
+    assert 0 < len(kept) < 9
+    assert sum(len(r["generation"]["finish_reasons"]) for r in kept) == 7  # no answer lost
+    for r in kept:  # each is the uninterrupted record cut after its answered turns
+        n = len(r["generation"]["finish_reasons"])
+        assert sum(x["role"] == "assistant" for x in r["messages"]) == n
+        assert r["messages"] == whole[r["id"]]["messages"][: len(r["messages"])]
+    monkeypatch.undo()
+    rerun = _run(convs, m, tok, out, **kw)  # the rest, once each
+    assert rerun.already_done == len(kept) and rerun.written == 9 - len(kept)
+    assert sorted(r["id"] for r in _lines(out)) == sorted(c.id for c in convs)

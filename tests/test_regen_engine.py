@@ -18,7 +18,8 @@ from test_speculative import tiny_qwen3, tiny_sliding
 from test_target import tiny_hybrid
 
 from dflash_trainer.data.engine import StaticBatchEngine, engine_notice
-from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop, per_prompt_generate
+from dflash_trainer.data.hf_generate import per_prompt_generate
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop
 from dflash_trainer.data.sampling import item_key, keyed_uniform, pick_tokens
 from dflash_trainer.errors import DFlashError
 

@@ -13,7 +13,8 @@ import torch
 from test_data_support import tiny_llama
 
 from dflash_trainer.data.engine import StaticBatchEngine
-from dflash_trainer.data.regenerate import GenerationSettings, HFBatchGenerator, cut_at_stop
+from dflash_trainer.data.hf_generate import HFBatchGenerator
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop
 from dflash_trainer.data.sampling import item_key
 
 pytestmark = pytest.mark.gpu

@@ -152,9 +152,9 @@ def decay_weights(
 ) -> torch.Tensor:
     """[B] w_k = exp(-(k-1)/gamma) for k >= 1, w_0 = 0 (the anchor is given, not predicted)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1).clamp(min=0) / gamma)
-    w[0] = 0.0
-    return w
+    # A mask, not `w[0] = 0`: item assignment copies a host scalar to the GPU and waits for
+    # it, which the fast step must not do (tests/test_fast_step_gpu.py).
+    return torch.exp(-(k - 1).clamp(min=0) / gamma) * (k >= 1)
 
 
 def decay_slot_weights(

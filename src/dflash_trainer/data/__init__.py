@@ -9,10 +9,11 @@ read_records(source, require_assistant=False). See docs/data.md.
 """
 
 from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.hf_generate import per_prompt_generate
 from dflash_trainer.data.loading import load_causal_lm, load_tokenizer, resolve_source
 from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.records import Conversation, ReadReport, TokenizedRow
-from dflash_trainer.data.regenerate import per_prompt_generate, regenerate
+from dflash_trainer.data.regenerate import regenerate
 from dflash_trainer.data.shards import Document, PreparedDataset
 from dflash_trainer.data.stats import DatasetStats, dataset_stats
 from dflash_trainer.data.template import ChatTemplate

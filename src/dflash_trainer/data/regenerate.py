@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_trainer.data.hf_generate import HFBatchGenerator
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.segment_tokens import SegmentTokenizer
 from dflash_trainer.data.settings import GenerationSettings
@@ -63,95 +65,6 @@ def stop_ids(tokenizer: Any, chat: ChatTemplate, model: Any = None) -> list[int]
     declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(declared if isinstance(declared, list) else [declared])
     return sorted(i for i in ids if i is not None)
-
-
-def _hf_generation_config(settings: GenerationSettings, stops: list[int], pad: int) -> Any:
-    from transformers import GenerationConfig
-
-    # Built from scratch, not from the model's generation_config: the settings recorded in the
-    # output must be the ones used (a model default such as top_k=50 would silently apply).
-    sampling = settings.temperature > 0
-    return GenerationConfig(
-        max_new_tokens=settings.max_new_tokens,
-        do_sample=sampling,
-        temperature=settings.temperature if sampling else None,
-        top_p=settings.top_p if sampling else None,
-        top_k=0 if sampling else None,
-        eos_token_id=stops,
-        pad_token_id=pad,
-    )
-
-
-class HFBatchGenerator:
-    """Left-padded batched `model.generate`."""
-
-    def __init__(
-        self, model: Any, settings: GenerationSettings, stops: list[int], pad_id: int, batch: int
-    ) -> None:
-        self.model, self.pad_id = model, pad_id
-        self.max_batch: int | None = batch
-        self.config = _hf_generation_config(settings, stops, pad_id)
-        self.oom_splits = 0  # batches split in halves after running out of GPU memory
-
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Generate for every prompt; a batch that runs out of GPU memory is split in halves.
-
-        Why: windows are sorted shortest-first, so the last batches hold the longest prompts
-        and the attention workspace grows with their square; a fixed batch size that fits
-        the first batches can fail on the last ones (seen on the H200 with 4 jobs sharing the
-        GPU). Halving keeps the job alive and its output identical for greedy decoding.
-        """
-        import torch
-
-        try:
-            return self._generate_batch(prompts)
-        except torch.OutOfMemoryError:
-            if len(prompts) == 1:
-                raise DFlashError(
-                    "out of GPU memory generating a single prompt of "
-                    f"{len(prompts[0])} tokens; lower --max-prompt-tokens or --max-new-tokens, "
-                    "or free the GPU"
-                ) from None
-            torch.cuda.empty_cache()
-            self.oom_splits += 1
-            half = len(prompts) // 2
-            return self.generate(prompts[:half]) + self.generate(prompts[half:])
-
-    def _generate_batch(self, prompts: list[list[int]]) -> list[list[int]]:
-        import torch
-
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attn[i, width - len(p) :] = 1
-        device = self.model.device
-        with torch.inference_mode():
-            out = self.model.generate(
-                ids.to(device), attention_mask=attn.to(device), generation_config=self.config
-            )
-        return [row.tolist() for row in out[:, width:].cpu()]
-
-
-def per_prompt_generate(
-    model: Any,
-    prompts: Sequence[list[int]],
-    settings: GenerationSettings,
-    stops: list[int],
-    pad_id: int,
-) -> list[list[int]]:
-    """The baseline: plain HF `generate`, one prompt at a time, no padding, no batching."""
-    import torch
-
-    config = _hf_generation_config(settings, stops, pad_id)
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], dtype=torch.long, device=model.device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            outs.append(out[0, len(p) :].tolist())
-    return outs
 
 
 def cut_at_stop(new_ids: list[int], stops: Sequence[int]) -> tuple[list[int], str, int]:
@@ -208,6 +121,7 @@ class _State:
     finish_reasons: list[str] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
     prompt: list[int] | None = None
+    written: bool = False
 
 
 @dataclass
@@ -220,6 +134,8 @@ class RegenerateReport:
     """Conversations ended at a turn boundary by max_conversation_tokens."""
     skipped_conversation_too_long: int = 0
     """Conversations whose first turn alone exceeds max_conversation_tokens."""
+    cut_at_interrupt: int = 0
+    """Conversations still open when the job was interrupted, written with the turns they had."""
     oom_splits: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -339,7 +255,7 @@ def regenerate(
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
     job.max_conversation_tokens = max_conversation_tokens
     job.seed = seed
-    job.t0 = time.perf_counter()
+    job.t0 = job.last_line = time.perf_counter()
     step = window or batch_size * 8
     try:
         for w in range(0, len(pending), step):
@@ -348,6 +264,9 @@ def regenerate(
                 job.run_window_chained(pending[w : w + step], chains)
             else:
                 job.run_window(pending[w : w + step])
+    except KeyboardInterrupt:
+        job.keep_open()
+        raise
     finally:
         job.writer.f.close()
         job.bar.close()
@@ -377,6 +296,28 @@ class _Job:
     seed: int = 0
     tokens: SegmentTokenizer | None = None
     """Piece-cached tokenization of the growing renders (data/segment_tokens.py)."""
+    open_states: list[_State] = field(default_factory=list)
+    """The conversations of the running window (kept on an interrupt)."""
+    last_line: float = 0.0
+
+    def keep_open(self) -> None:
+        """On an interrupt: write every open conversation with the turns it has answered.
+
+        Why: a time-limited job (SIGINT at the limit) would otherwise lose every conversation
+        still in flight, which with whole conversations as chains is most of the work. The
+        record is a valid shorter conversation; a rerun treats it as done."""
+        for s in self.open_states:
+            answered = sum(m["role"] == "assistant" for m in s.messages)
+            if s.written or not s.finish_reasons or answered != len(s.finish_reasons):
+                continue  # nothing answered, or interrupted between a turn's two updates
+            self.report.cut_at_interrupt += 1
+            self._finish(s)
+        print(
+            f"dflash data regenerate: interrupted; wrote the answered turns of "
+            f"{self.report.cut_at_interrupt} open conversations ({self.report.written} records "
+            f"in all, {self.report.new_tokens:,} new tokens)",
+            file=sys.stderr,
+        )
 
     def _ids(self, text: str) -> list[int]:
         if self.tokens is None:
@@ -391,6 +332,7 @@ class _Job:
     def run_window(self, convs: list[Conversation]) -> None:
         """Round r answers turn r of every unfinished conversation, shortest prompts first."""
         active = [self.start(c) for c in convs]
+        self.open_states = list(active)
         while active:
             ready = [s for s in active if self._prompt_fits(s)]
             ready.sort(key=lambda s: len(s.prompt or ()))
@@ -416,6 +358,7 @@ class _Job:
         from dflash_trainer.data.sampling import item_key
 
         states = [self.start(c) for c in convs]
+        self.open_states = states
         ready = [s for s in states if self._prompt_fits(s)]
 
         def key(s: _State) -> int:
@@ -435,10 +378,18 @@ class _Job:
         chains([(s.prompt or [], key(s)) for s in ready], follow)
 
     def _show_speed(self) -> None:
-        elapsed = time.perf_counter() - self.t0
-        self.bar.set_postfix(
-            tok_s=f"{self.report.new_tokens / max(elapsed, 1e-9):.0f}", refresh=False
-        )
+        now = time.perf_counter()
+        rate = self.report.new_tokens / max(now - self.t0, 1e-9)
+        self.bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+        if self.bar.disable and now - self.last_line >= 60:  # --no-progress: a line a minute
+            self.last_line = now
+            r = self.report
+            print(
+                f"dflash data regenerate: {now - self.t0:.0f} s, {r.written} conversations "
+                f"written, {r.new_tokens:,} new tokens ({rate:,.0f}/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _prompt_fits(self, s: _State) -> bool:
         turn = {"role": "user", "content": s.users[0]}
@@ -492,6 +443,7 @@ class _Job:
             self.bar.update(1)
 
     def _finish(self, s: _State) -> None:
+        s.written = True
         self.writer.write(s)
         self.report.written += 1
         for r in s.finish_reasons:

@@ -221,7 +221,7 @@ class KeyedHFGenerator:
     engine cannot run (each item's text still depends only on its key)."""
 
     def __init__(self, model: Any, settings: Any, stops: list[int], pad_id: int) -> None:
-        from dflash_trainer.data.regenerate import _hf_generation_config
+        from dflash_trainer.data.hf_generate import _hf_generation_config
 
         self.model = model
         self.config = _hf_generation_config(settings, stops, pad_id)

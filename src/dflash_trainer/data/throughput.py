@@ -20,15 +20,10 @@ import time
 from typing import Any
 
 from dflash_trainer.data.formats import read_records
+from dflash_trainer.data.hf_generate import HFBatchGenerator, per_prompt_generate
 from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
 from dflash_trainer.data.records import Conversation
-from dflash_trainer.data.regenerate import (
-    GenerationSettings,
-    HFBatchGenerator,
-    cut_at_stop,
-    per_prompt_generate,
-    stop_ids,
-)
+from dflash_trainer.data.regenerate import GenerationSettings, cut_at_stop, stop_ids
 from dflash_trainer.data.template import ChatTemplate
 
 
