@@ -250,9 +250,12 @@ def test_unknown_sdpa_backend_is_named() -> None:
         StaticBatchEngine(tiny_llama(400), GenerationSettings("m"), [5], 0, decode_sdpa="fast")
 
 
-def test_chains_queue_each_next_turn_at_once_across_cache_lengths() -> None:
+@pytest.mark.parametrize("reuse_prefix", [True, False])
+def test_chains_queue_each_next_turn_at_once_across_cache_lengths(reuse_prefix: bool) -> None:
     """A conversation's next turn runs as soon as its answer is in (no rounds); turns that
-    outgrow the cache length wait for the next one. Each chain equals HF turn by turn."""
+    outgrow the cache length wait for the next one. Each chain equals HF turn by turn, with
+    a next turn in the same cache length continuing in its row after the history it holds
+    (only the new tokens prefilled) or prefilled whole in a fresh row."""
     model = _lively(tiny_llama(400))
     new, turns = 16, 3
     firsts = _prompts(400, [10, 200, 30, 225, 5])  # 225 + 16 fits 256; its next turn does not
@@ -279,8 +282,13 @@ def test_chains_queue_each_next_turn_at_once_across_cache_lengths() -> None:
         current[chain] = current[chain] + ids + extra[t - 1]
         return current[chain], 0
 
-    engine = StaticBatchEngine(model, GenerationSettings("m", max_new_tokens=new), stops, 0, rows=2)
+    settings = GenerationSettings("m", max_new_tokens=new)
+    engine = StaticBatchEngine(model, settings, stops, 0, rows=2, reuse_prefix=reuse_prefix)
     engine.generate_chains([(p, 0) for p in firsts], follow)
     assert got == {c: reference(p) for c, p in enumerate(firsts)}
     assert [length for _, length in engine.stats.shapes] == [256, 512]
+    if reuse_prefix:  # every next turn that stayed in its cache length kept its history
+        assert engine.stats.continued >= 4 and engine.stats.reused_tokens >= 4 * 10, engine.stats
+    else:
+        assert engine.stats.continued == 0 and engine.stats.reused_tokens == 0
     assert engine.calls == 1  # one call served every turn of every chain

@@ -16,6 +16,11 @@ answer finishes. Here:
   graph steps) and prefilled together, left-padded. Padded columns get the positions after
   the prompt, so each row still writes slots 0..W-1 once and reads its last token's logits in
   the last column.
+- Conversations (`generate_chains`): a turn's next prompt is the conversation so far plus the
+  new user turn. When it fits the same cache length it continues in the row that already
+  holds the conversation: only the tokens after the longest common prefix with what the row
+  holds are prefilled, attending to the row's cache (`reuse_prefix`). Without this every turn
+  prefilled the whole history again, the larger part of turn-by-turn regeneration's work.
 - Length buckets: prompts are served shortest first, and the cache length L is a power of two
   covering prompt + max_new_tokens; a longer prompt waits until the batch drains, then the
   cache and graph are rebuilt for the next bucket (short prompts do not pay for long ones).
@@ -37,88 +42,25 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dflash_trainer.data.engine_state import (
+    EngineStats,
+    Follow,
+    Shape,
+    Work,
+    cache_length,
+    kv_bytes_per_position,
+)
 from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
 from dflash_trainer.data.sampling import item_key, pick_tokens
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.static_decode import _Replay, _SlotCache, static_support
 from dflash_trainer.eval.target_runner import cache_kwarg
-
-
-def cache_length(tokens: int) -> int:
-    """The cache bucket for sequences of `tokens` positions: a power of two, at least 256."""
-    return max(256, 1 << math.ceil(math.log2(max(tokens, 1))))
-
-
-def _kv_bytes_per_position(model: Any) -> int:
-    cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv * dim * model.dtype.itemsize
-
-
-@dataclass
-class EngineStats:
-    decode_steps: int = 0
-    row_steps: int = 0
-    """Rows stepped in all (rows x steps)."""
-    row_steps_busy: int = 0
-    """Of those, rows that held a live prompt: the utilisation is their share."""
-    prefills: int = 0
-    builds: int = 0
-    shapes: list[tuple[int, int]] = field(default_factory=list)
-    """(rows, cache length) of every build."""
-    build_s: float = 0.0
-    """Seconds building shapes: caches, warm-up step, graph capture."""
-    prefill_s: float = 0.0
-    """Seconds in prefill forwards (to their first tokens on the host)."""
-    decode_s: float = 0.0
-    """Seconds in decode steps (replay until the tokens are on the host)."""
-    host_s: float = 0.0
-    """Seconds of per-step bookkeeping on the host (appending tokens, stop checks)."""
-
-
-Follow = Callable[[int, list[int]], "tuple[list[int], int] | None"]
-
-
-@dataclass
-class _Work:
-    """The prompts of one engine call; grows as chains add their next prompts."""
-
-    prompts: list[list[int]]
-    keys: list[int]
-    outs: list[list[int]]
-    on_done: Callable[[int], int | None]
-
-    def retire(self, i: int, queue: deque[int]) -> None:
-        """Prompt i is answered: queue its chain's next prompt when it runs here."""
-        j = self.on_done(i)
-        if j is not None:
-            queue.append(j)
-
-
-@dataclass
-class _Shape:
-    """One built (rows, cache length): its KV cache, static inputs and decode replay."""
-
-    rows: int
-    length: int
-    cache: _SlotCache
-    ids: torch.Tensor
-    pos: torch.Tensor
-    keys: torch.Tensor
-    row_ix: torch.Tensor
-    cols: torch.Tensor
-    replay: _Replay | None = None
-    capped: bool = False
-    """Fewer rows than asked for, for lack of memory: do not rebuild to grow it."""
 
 
 class StaticBatchEngine:
@@ -139,6 +81,7 @@ class StaticBatchEngine:
         kv_fraction: float = 0.5,
         prefill_align: int | None = None,
         compile_decode: bool = False,
+        reuse_prefix: bool = True,
         decode_sdpa: str | None = None,
         prefill_sdpa: str | None = None,
     ) -> None:
@@ -158,6 +101,7 @@ class StaticBatchEngine:
         # and cache length, once for every shape (a compile of a 30-layer target takes most of
         # a minute; static shapes would pay it per cache length).
         self._step = torch.compile(self._decode, dynamic=True) if compile_decode else self._decode
+        self.reuse_prefix = reuse_prefix
         self._decode_kernels = sdpa_backends(decode_sdpa)
         self._prefill_kernels = sdpa_backends(prefill_sdpa)
         self.kv_fraction = kv_fraction
@@ -168,7 +112,7 @@ class StaticBatchEngine:
         self.bool_mask = impl != "eager"
         self.calls = 0
         self.stats = EngineStats()
-        self._built: dict[int, _Shape] = {}  # cache length -> its built shape
+        self._built: dict[int, Shape] = {}  # cache length -> its built shape
         self._replay: _Replay | None = None
         self.cache = _SlotCache(1, 1)
         self.oom_splits = 0
@@ -181,7 +125,7 @@ class StaticBatchEngine:
         rows = min(self.max_rows, 1 << math.ceil(math.log2(max(wanted, 1))))
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
-            fit = int(self.kv_fraction * free) // (length * _kv_bytes_per_position(self.model))
+            fit = int(self.kv_fraction * free) // (length * kv_bytes_per_position(self.model))
             rows = max(1, min(rows, fit))
         return rows
 
@@ -192,15 +136,15 @@ class StaticBatchEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _activate(self, shape: _Shape) -> None:
+    def _activate(self, shape: Shape) -> None:
         self.cache, self.ids, self.pos, self.keys = shape.cache, shape.ids, shape.pos, shape.keys
         self.row_ix, self.cols, self.length = shape.row_ix, shape.cols, shape.length
         self._replay = shape.replay
 
-    def _build(self, rows: int, length: int) -> _Shape:
+    def _build(self, rows: int, length: int) -> Shape:
         """Caches, static inputs and the decode step (captured on CUDA) for this shape."""
         dev = self.device
-        shape = _Shape(
+        shape = Shape(
             rows=rows,
             length=length,
             cache=_SlotCache(length, rows),
@@ -309,29 +253,50 @@ class StaticBatchEngine:
         self.pos.add_(1).clamp_(max=self.cols.shape[0] - 1)
         return tok
 
-    def _prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> list[int]:
-        """Feed new prompts into cache rows `slots`; their first new tokens."""
-        k, width = len(prompts), max(len(p) for p in prompts)
+    def _prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        keys: list[int],
+        starts: list[int] | None = None,
+    ) -> list[int]:
+        """Feed prompts into cache rows `slots`; their first new tokens.
+
+        Fresh rows (`starts` None) attend only to what they are fed. With `starts`, row i
+        already holds the first starts[i] tokens of prompt i (its conversation so far): only
+        the rest is fed, attending to the row's cache up to each position."""
+        k = len(prompts)
+        begin = starts or [0] * k
+        width = max(len(p) - c for p, c in zip(prompts, begin))
         # Widths rounded up to a few values: every new prefill shape costs kernel selection
         # (and attention plans) on a GPU; the extra columns are padding like any other.
         width = min(-(-width // self.prefill_align) * self.prefill_align, self.length)
         ids = torch.full((k, width), self.pad_id, dtype=torch.long)
         pos = torch.empty((k, width), dtype=torch.long)
         real = torch.zeros((k, width), dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            n = len(p)
-            ids[i, width - n :] = torch.tensor(p, dtype=torch.long)
-            pos[i, width - n :] = torch.arange(n)
-            pos[i, : width - n] = torch.arange(n, width)  # padding: slots after the prompt
+        for i, (p, c) in enumerate(zip(prompts, begin)):
+            n, end = len(p) - c, len(p)
+            ids[i, width - n :] = torch.tensor(p[c:], dtype=torch.long)
+            pos[i, width - n :] = torch.arange(c, end)
+            # Padding gets slots after the prompt (decode overwrites them before reading);
+            # past the cache, the last slot, which no live token of this row ever takes.
+            pos[i, : width - n] = torch.arange(end, end + width - n).clamp(max=self.length - 1)
             real[i, width - n :] = True
         dev = self.device
         ids, pos, real = ids.to(dev), pos.to(dev), real.to(dev)
-        mask = (pos[:, None, :] <= pos[:, :, None]) & real[:, None, :]  # [k, Wq, Wk]
+        if starts is None:
+            mask = (pos[:, None, :] <= pos[:, :, None]) & real[:, None, :]  # [k, Wq, Wk]
+        else:
+            mask = self.cols[None, None, :] <= pos[:, :, None]  # [k, Wq, L]: the row's cache
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         keys_t = torch.tensor(keys, dtype=torch.long, device=dev)
-        self.cache.rows, self.cache.positions, self.cache.fresh = slots_t, pos, True
-        with sdpa_scope(self._prefill_kernels):
-            logits = self._forward(ids, pos, mask)
+        self.cache.rows, self.cache.positions = slots_t, pos
+        self.cache.fresh, self.cache.subset = starts is None, starts is not None
+        try:
+            with sdpa_scope(self._prefill_kernels):
+                logits = self._forward(ids, pos, mask)
+        finally:
+            self.cache.subset = False
         first = self._pick(logits, keys_t, pos[:, -1])
         self.ids[slots_t] = first[:, None]
         self.pos[slots_t] = pos[:, -1] + 1
@@ -391,20 +356,20 @@ class StaticBatchEngine:
             while pending:
                 current = min(pending)
                 group = sorted(pending.pop(current), key=lambda i: len(prompts[i]))
-                self._run_group(current, group, _Work(prompts, keys, outs, on_done))
+                self._run_group(current, group, Work(prompts, keys, outs, on_done))
         return outs
 
-    def _run_group(self, length: int, group: list[int], work: _Work) -> None:
+    def _run_group(self, length: int, group: list[int], work: Work) -> None:
         """Continuous batching over prompts of one cache length (shortest first)."""
         rows = self._ensure(length, len(group))
         default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
         refill_at = min(self.refill_rows or default_refill, rows)
-        queue = deque(group)
-        free = list(range(rows))
-        live: dict[int, int] = {}  # cache row -> prompt index
-        while queue or live:
-            if queue and (not live or len(free) >= min(refill_at, len(queue))):
-                self._refill(queue, free, live, work)
+        g = _Rows(deque(group), list(range(rows)))
+        while g.queue or g.live or g.cont:
+            waiting = len(g.queue) + len(g.cont)
+            fillable = min(len(g.free), len(g.queue)) + len(g.cont)
+            if waiting and (not g.live or fillable >= min(refill_at, waiting)):
+                self._refill(g, work)
                 continue
             assert self._replay is not None
             t0 = time.perf_counter()
@@ -412,43 +377,95 @@ class StaticBatchEngine:
             t1 = time.perf_counter()
             self.stats.decode_steps += 1
             self.stats.row_steps += rows
-            self.stats.row_steps_busy += len(live)
-            for slot, i in list(live.items()):
+            self.stats.row_steps_busy += len(g.live)
+            for slot, i in list(g.live.items()):
                 work.outs[i].append(tok[slot])
                 if self._done(work.outs[i]):
-                    del live[slot]
-                    free.append(slot)
-                    work.retire(i, queue)
+                    del g.live[slot]
+                    self._retire(slot, i, g, work)
             self.stats.decode_s += t1 - t0
             self.stats.host_s += time.perf_counter() - t1
 
     def _done(self, toks: list[int]) -> bool:
         return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
 
-    def _refill(
-        self, queue: deque[int], free: list[int], live: dict[int, int], work: _Work
+    def _retire(self, slot: int, i: int, g: _Rows, work: Work) -> None:
+        """Prompt i (in row `slot`) is answered. Its chain's next prompt, when it runs in this
+        cache length, continues in the same row after the history the row already holds
+        (the turns of a conversation: only the new user turn is prefilled); otherwise it
+        waits in the queue and the row is free."""
+        j = work.on_done(i)
+        if j is not None and self.reuse_prefix:
+            c = min(_common_prefix(work.cached(i), work.prompts[j]), len(work.prompts[j]) - 1)
+            if c > 0:
+                g.cont.append((slot, j, c))
+                return
+        if j is not None:
+            g.queue.append(j)
+        g.free.append(slot)
+
+    def _admit(
+        self, g: _Rows, work: Work, slots: list[int], idx: list[int], firsts: list[int]
     ) -> None:
-        """Prefill waiting prompts into the free rows, in chunks of at most prefill_tokens."""
-        free.sort()
-        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        for slot, i, t in zip(slots, idx, firsts):
+            work.outs[i].append(t)
+            if self._done(work.outs[i]):
+                self._retire(slot, i, g, work)
+            else:
+                g.live[slot] = i
+
+    def _refill(self, g: _Rows, work: Work) -> None:
+        """Prefill waiting prompts, in chunks of at most prefill_tokens: continuations in
+        their own rows first, then new prompts into the free rows."""
+        t0 = time.perf_counter()
+        while g.cont:
+            g.cont.sort(key=lambda e: len(work.prompts[e[1]]) - e[2])
+            chunk = [g.cont.pop(0)]
+            while (
+                g.cont
+                and (len(chunk) + 1) * (len(work.prompts[g.cont[0][1]]) - g.cont[0][2])
+                <= self.prefill_tokens
+            ):
+                chunk.append(g.cont.pop(0))
+            slots, idx, starts = (list(x) for x in zip(*chunk))
+            firsts = self._prefill(
+                slots, [work.prompts[i] for i in idx], [work.keys[i] for i in idx], starts
+            )
+            self.stats.continued += len(chunk)
+            self.stats.reused_tokens += sum(starts)
+            self._admit(g, work, slots, idx, firsts)
+        g.free.sort()
+        take = [g.queue.popleft() for _ in range(min(len(g.free), len(g.queue)))]
         take.sort(key=lambda i: len(work.prompts[i]))  # chains queue longer prompts late
         while take:
-            chunk = [take.pop(0)]
-            while take and (len(chunk) + 1) * len(work.prompts[take[0]]) <= self.prefill_tokens:
-                chunk.append(take.pop(0))  # sorted by length: the last is the widest
-            slots = [free.pop(0) for _ in chunk]
-            t0 = time.perf_counter()
+            chunk_i = [take.pop(0)]
+            while take and (len(chunk_i) + 1) * len(work.prompts[take[0]]) <= self.prefill_tokens:
+                chunk_i.append(take.pop(0))  # sorted by length: the last is the widest
+            slots = [g.free.pop(0) for _ in chunk_i]
             firsts = self._prefill(
-                slots, [work.prompts[i] for i in chunk], [work.keys[i] for i in chunk]
+                slots, [work.prompts[i] for i in chunk_i], [work.keys[i] for i in chunk_i]
             )
-            self.stats.prefill_s += time.perf_counter() - t0
-            for slot, i, t in zip(slots, chunk, firsts):
-                work.outs[i].append(t)
-                if self._done(work.outs[i]):
-                    free.append(slot)
-                    work.retire(i, queue)
-                else:
-                    live[slot] = i
+            self._admit(g, work, slots, chunk_i, firsts)
+        self.stats.prefill_s += time.perf_counter() - t0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class _Rows:
+    """Where each cache row of a running group is: decoding (`live`: row -> prompt), free,
+    or about to continue its conversation (`cont`: row, next prompt, tokens it holds)."""
+
+    queue: deque[int]
+    free: list[int]
+    live: dict[int, int] = field(default_factory=dict)
+    cont: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def engine_notice(model: Any) -> str | None:

@@ -140,6 +140,8 @@ class RegenerateReport:
     new_tokens: int = 0
     seconds: float = 0.0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    engine: dict[str, Any] | None = None
+    """The static engine's statistics (data/engine_state.EngineStats), when it ran."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -172,6 +174,7 @@ def _generator(
     batch_size: int,
     compile_decode: bool,
     sdpa: tuple[str | None, str | None] = (None, None),
+    reuse_prefix: bool = True,
 ) -> Generator:
     """The backend named in `settings`: HF batches, the static engine or vLLM."""
     if settings.backend == "hf":
@@ -186,6 +189,7 @@ def _generator(
             pad_id,
             rows=batch_size,
             compile_decode=compile_decode,
+            reuse_prefix=reuse_prefix,
             decode_sdpa=sdpa[0],
             prefill_sdpa=sdpa[1],
         )
@@ -216,6 +220,7 @@ def regenerate(
     progress: bool = True,
     compile_decode: bool = False,
     sdpa: tuple[str | None, str | None] = (None, None),
+    reuse_prefix: bool = True,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -240,7 +245,9 @@ def regenerate(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode, sdpa)
+    generator = _generator(
+        model, settings, stops, pad_id, batch_size, compile_decode, sdpa, reuse_prefix
+    )
     report = RegenerateReport()
     done = read_done(out, settings)
     pending: list[Conversation] = []
@@ -272,6 +279,8 @@ def regenerate(
         job.bar.close()
     report.seconds = time.perf_counter() - job.t0
     report.oom_splits = getattr(generator, "oom_splits", 0)
+    stats = getattr(generator, "stats", None)
+    report.engine = asdict(stats) if stats is not None else None
     return report
 
 

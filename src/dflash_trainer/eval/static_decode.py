@@ -121,7 +121,9 @@ class _SlotCache:
     Several rows (batched regeneration, data/engine.py): `rows` [R] names the cache rows fed
     and `positions` [R, S] where each row's tokens go, so every row keeps its own length. With
     `fresh` (the prefill of new prompts) the rows attend only to what they are fed, so update
-    returns the fed K/V themselves rather than the buffer: nothing before them is theirs.
+    returns the fed K/V themselves rather than the buffer: nothing before them is theirs. With
+    `subset` (a few rows continuing after the history they hold) it returns those rows' part
+    of the buffer.
     """
 
     def __init__(self, capacity: int, batch: int | None = None) -> None:
@@ -132,6 +134,7 @@ class _SlotCache:
         self.positions: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self.fresh = False
+        self.subset = False
 
     def update(
         self,
@@ -160,6 +163,8 @@ class _SlotCache:
         values[where] = value_states.transpose(1, 2).to(values.dtype)
         if self.fresh:
             return key_states, value_states
+        if self.subset:  # a few rows continue after their cached history: theirs only
+            return keys[self.rows], values[self.rows]
         return keys, values
 
 
