@@ -13,6 +13,7 @@
 #   and eval-set asset packages (docs/assets.md).
 # Knobs: RUN (benchmarks/out/headline/run), STEPS (the recipe's schedule when empty),
 #   SAMPLES (40 prompts per set), MAX_NEW_TOKENS (256), PUBLISH (drafters/smollm2-135m-dflash-b16),
+#   EVALS ("t0 t1 eager": which evaluations, in order; the export comes first),
 #   EXTRA (more training overrides), OUT (benchmarks/out/headline).
 # Outputs: $OUT/headline_smollm2_h200.json (what benchmarks/results/ keeps), $OUT/t0, $OUT/t1,
 #   $OUT/eager (eval reports), $OUT/zlab and $OUT/speculators (checked exports), $PUBLISH.
@@ -37,6 +38,14 @@ else
     ${EXTRA:-} 2>&1 | tee "$OUT/train.log"
 fi
 
+echo "== export"
+for layout in zlab speculators; do
+  $DFLASH export "$RUN" --to "$layout" "$OUT/$layout" --force
+  $DFLASH export --check "$OUT/$layout"
+done
+mkdir -p "$(dirname "$PUBLISH")"
+rm -rf "$PUBLISH.tmp" && cp -r "$OUT/zlab" "$PUBLISH.tmp" && rm -rf "$PUBLISH" && mv "$PUBLISH.tmp" "$PUBLISH"
+
 echo "== evaluate"
 evaluate() {  # name, temperature, then extra flags
   local name=$1 temp=$2
@@ -47,18 +56,17 @@ evaluate() {  # name, temperature, then extra flags
     --temperature "$temp" --allow-mismatch --no-progress --out-dir "$OUT/$name" "$@" \
     > "$OUT/$name.log" 2>&1
 }
-evaluate t0 0
-evaluate t1 1
-evaluate eager 0 --decode eager
-
-echo "== export"
-for layout in zlab speculators; do
-  $DFLASH export "$RUN" --to "$layout" "$OUT/$layout" --force
-  $DFLASH export --check "$OUT/$layout"
+for e in ${EVALS:-t0 t1 eager}; do
+  case $e in
+    t0) evaluate t0 0 ;;
+    t1) evaluate t1 1 ;;
+    eager) evaluate eager 0 --decode eager ;;
+    *) echo "unknown evaluation $e" >&2; exit 2 ;;
+  esac
 done
-mkdir -p "$(dirname "$PUBLISH")"
-rm -rf "$PUBLISH.tmp" && cp -r "$OUT/zlab" "$PUBLISH.tmp" && rm -rf "$PUBLISH" && mv "$PUBLISH.tmp" "$PUBLISH"
 
 echo "== report"
-"$PY" benchmarks/headline_report.py --t0 "$OUT/t0" --t1 "$OUT/t1" --eager "$OUT/eager" \
+eager=()
+[ -e "$OUT/eager/eval.json" ] && eager=(--eager "$OUT/eager")
+"$PY" benchmarks/headline_report.py --t0 "$OUT/t0" --t1 "$OUT/t1" "${eager[@]}" \
   --drafter "${PUBLISH#"$REPO"/}" --out "$OUT/headline_smollm2_h200.json"
