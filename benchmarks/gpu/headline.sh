@@ -66,6 +66,9 @@ for e in ${EVALS:-t0 t1 eager}; do
 done
 
 echo "== report"
+for e in t0 t1; do
+  [ -e "$OUT/$e/eval.json" ] || { echo "no $e evaluation yet: EVALS=\"t0 t1\" to finish"; exit 0; }
+done
 eager=()
 [ -e "$OUT/eager/eval.json" ] && eager=(--eager "$OUT/eager")
 "$PY" benchmarks/headline_report.py --t0 "$OUT/t0" --t1 "$OUT/t1" "${eager[@]}" \
