@@ -200,6 +200,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prefill_tokens=args.prefill_tokens,
         prefill_align=args.prefill_align,
         compile_decode=args.compile_decode,
+        decode_attention=args.decode_attention,
         decode_sdpa=args.decode_sdpa,
         prefill_sdpa=args.prefill_sdpa,
     )
@@ -273,6 +274,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine_graphs": engine.graphs,
         "engine_compiled_decode": args.compile_decode,
         "engine_sdpa": {"decode": args.decode_sdpa, "prefill": args.prefill_sdpa},
+        "engine_decode_attention": args.decode_attention,
         "engine_row_utilisation": round(st.row_steps_busy / max(1, st.row_steps), 3),
         "hardware": _hardware(device),
         "device": str(device),
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp32-prompts", type=int, default=64, help="prompts of the fp32 check")
     p.add_argument("--prefill-align", type=int, help="engine: prefill width multiple")
     p.add_argument("--compile-decode", action="store_true", help="engine: compile the step")
+    p.add_argument("--decode-attention", choices=["sdpa", "flex"], default="sdpa")
     p.add_argument("--decode-sdpa", help="engine: SDPA backends of the decode attention")
     p.add_argument("--prefill-sdpa", help="engine: SDPA backends of the prefill attention")
     p.add_argument(

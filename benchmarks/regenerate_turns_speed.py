@@ -53,7 +53,7 @@ def leg(
     report = regenerate(
         convs, model, tok, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
         max_conversation_tokens=args.max_conversation_tokens, backend="static", seed=0,
-        progress=False, compile_decode=args.compile_decode, reuse_prefix=reuse,
+        progress=False, engine={"compile_decode": args.compile_decode, "reuse_prefix": reuse},
     )  # fmt: skip
     if model.device.type == "cuda":
         torch.cuda.synchronize()

@@ -395,3 +395,9 @@ def test_an_interrupted_job_keeps_the_answered_turns_of_open_conversations(
     rerun = _run(convs, m, tok, out, **kw)  # the rest, once each
     assert rerun.already_done == len(kept) and rerun.written == 9 - len(kept)
     assert sorted(r["id"] for r in _lines(out)) == sorted(c.id for c in convs)
+
+
+def test_engine_settings_reach_the_engine(tmp_path: Path, model: Any, tok: Any) -> None:
+    with pytest.raises(DFlashError, match="add --compile-decode"):
+        _run(_convs(2), model, tok, tmp_path / "r.jsonl", backend="static",
+             engine={"decode_attention": "flex"})  # fmt: skip

@@ -245,6 +245,34 @@ def test_compiled_decode_steps_give_the_same_answers() -> None:
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_flex_decode_attention_equals_the_masked_dense_one() -> None:
+    """The flex decode attention (block mask from each row's live length) against SDPA over
+    the whole masked cache, rows of very different lengths, two cache lengths, grouped and
+    plain heads. Run eagerly here (the reference FlexAttention path; the compiled kernel is
+    checked on a GPU: tests/test_regen_engine_gpu.py)."""
+    from dflash_trainer.data.grouped_decode import flex_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    for length, kv_heads in ((256, 3), (512, 9)):
+        pos = torch.tensor([0, 5, 127, 128, 200, length - 1])
+        b = len(pos)
+        q = torch.randn(b, 9, 1, 64, generator=g)
+        k = torch.randn(b, kv_heads, length, 64, generator=g)
+        v = torch.randn(b, kv_heads, length, 64, generator=g)
+        mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :]
+        out, _ = flex_decode_attention(torch.nn.Module(), q, k, v, mask, scaling=0.125)
+        rep = 9 // kv_heads
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=0.125
+        )
+        torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_decode_attention_needs_the_compiled_step() -> None:
+    with pytest.raises(DFlashError, match="add --compile-decode"):
+        StaticBatchEngine(tiny_llama(400), GenerationSettings("m"), [5], 0, decode_attention="flex")
+
+
 def test_unknown_sdpa_backend_is_named() -> None:
     with pytest.raises(DFlashError, match="unknown SDPA backend 'fast'"):
         StaticBatchEngine(tiny_llama(400), GenerationSettings("m"), [5], 0, decode_sdpa="fast")

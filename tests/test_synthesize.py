@@ -282,3 +282,10 @@ def test_cli_synthesizes_resumes_and_reports(
     assert report["settings"]["topics"] == ["math", "code"]
     assert main([*argv, "--n", "6", "--near-duplicate", "0"]) == 2
     assert "--near-duplicate 0" in capsys.readouterr().err
+
+
+def test_engine_settings_reach_the_engine(tmp_path: Path, model: Any, tok: Any) -> None:
+    """--compile-decode / --decode-sdpa / --decode-attention are handed to the static engine
+    (a backend name it does not know is refused there, by name)."""
+    with pytest.raises(DFlashError, match="unknown SDPA backend 'fast'"):
+        synthesize(model, tok, tmp_path / "p.jsonl", 2, _settings(), engine={"decode_sdpa": "fast"})

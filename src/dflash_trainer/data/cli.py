@@ -203,8 +203,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         backend=backend,
         seed=args.seed,
         progress=not args.no_progress,
-        compile_decode=args.compile_decode,
-        sdpa=(args.decode_sdpa, args.prefill_sdpa),
+        engine=_engine_options(args),
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
@@ -219,7 +218,25 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The static engine's settings named on the command line (the engine's own defaults
+    otherwise)."""
+    return {
+        "compile_decode": args.compile_decode,
+        "decode_attention": args.decode_attention,
+        "decode_sdpa": args.decode_sdpa,
+        "prefill_sdpa": args.prefill_sdpa,
+    }
+
+
 def _add_sdpa(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode-attention",
+        choices=["sdpa", "flex"],
+        default="sdpa",
+        help="static engine: decode attention over the whole masked cache (sdpa) or over each "
+        "row's own length (flex; needs --compile-decode)",
+    )
     for phase in ("decode", "prefill"):
         p.add_argument(
             f"--{phase}-sdpa",
@@ -286,8 +303,7 @@ def _synthesize(args: argparse.Namespace) -> int:
         settings,
         args.batch_size,
         progress=not args.no_progress,
-        compile_decode=args.compile_decode,
-        sdpa=(args.decode_sdpa, args.prefill_sdpa),
+        engine=_engine_options(args),
     )
     print(f"{args.out}: {report.format()} (counts in {args.out}.report.json)")
     return 0

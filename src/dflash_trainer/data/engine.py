@@ -82,6 +82,7 @@ class StaticBatchEngine:
         prefill_align: int | None = None,
         compile_decode: bool = False,
         reuse_prefix: bool = True,
+        decode_attention: str = "sdpa",
         decode_sdpa: str | None = None,
         prefill_sdpa: str | None = None,
     ) -> None:
@@ -102,6 +103,13 @@ class StaticBatchEngine:
         # a minute; static shapes would pay it per cache length).
         self._step = torch.compile(self._decode, dynamic=True) if compile_decode else self._decode
         self.reuse_prefix = reuse_prefix
+        if decode_attention not in ("sdpa", "flex"):
+            raise DFlashError(f"unknown decode attention {decode_attention!r}; use sdpa or flex")
+        if decode_attention == "flex" and not compile_decode:
+            raise DFlashError(
+                "decode attention flex runs only in the compiled decode step: add --compile-decode"
+            )
+        self.flex = decode_attention == "flex"
         self._decode_kernels = sdpa_backends(decode_sdpa)
         self._prefill_kernels = sdpa_backends(prefill_sdpa)
         self.kv_fraction = kv_fraction
@@ -164,6 +172,11 @@ class StaticBatchEngine:
             except Exception as e:  # a capture that fails names the op; eager still works
                 if not self.graphs and self._step == self._decode:
                     raise
+                if self.flex:  # uncompiled FlexAttention would run, correct but very slow
+                    raise DFlashError(
+                        f"the compiled decode step with flex attention failed ({type(e).__name__}:"
+                        f" {e}); run without --decode-attention flex"
+                    ) from e
                 print(
                     f"dflash: decode step capture or compile failed ({type(e).__name__}: {e}); "
                     "the engine continues eagerly",
@@ -352,7 +365,7 @@ class StaticBatchEngine:
             pending.setdefault(length, []).append(j)
             return None
 
-        with torch.inference_mode(), grouped_decode(self.model):
+        with torch.inference_mode(), grouped_decode(self.model, self.flex):
             while pending:
                 current = min(pending)
                 group = sorted(pending.pop(current), key=lambda i: len(prompts[i]))

@@ -90,26 +90,76 @@ def grouped_decode_attention(
     return out.reshape(b, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+FLEX_NAME = "dflash_flex_decode"
+_KV_BLOCK = 128
+
+
+def flex_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A one-token decode step that reads each row's own length of the cache, not all of it.
+
+    Why: the engine's cache buckets are powers of two covering prompt + max_new_tokens, and a
+    row's live length is on average under half its bucket, but a masked dense attention reads
+    the whole bucket. FlexAttention skips key blocks a block mask marks empty; the mask is
+    built inside the step from the engine's row mask (key slot <= position, a prefix), so the
+    step keeps its static shapes and stays one CUDA graph. Only compiled (inductor's decoding
+    kernel): uncompiled FlexAttention is a slow reference path. Prefill goes to `sdpa`."""
+    b, heads, s, _d = query.shape
+    if s != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
+        return grouped_decode_attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    length = key.shape[2]
+    lens = attention_mask.reshape(b, length).sum(-1)  # the row's live prefix: slots <= pos
+    blocks = ((lens + _KV_BLOCK - 1) // _KV_BLOCK).to(torch.int32).view(b, 1, 1)
+    order = torch.arange(length // _KV_BLOCK, dtype=torch.int32, device=query.device)
+    order = order.view(1, 1, 1, -1).expand(b, 1, 1, -1)
+
+    def live(bi: Any, _h: Any, _q: Any, kv: Any) -> Any:
+        return kv < lens[bi]
+
+    mask = BlockMask.from_kv_blocks(
+        blocks, order, BLOCK_SIZE=_KV_BLOCK, mask_mod=live, seq_lengths=(1, length)
+    )
+    out = flex_attention(
+        query, key, value, block_mask=mask, scale=scaling, enable_gqa=key.shape[1] != heads
+    )
+    assert isinstance(out, torch.Tensor)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, grouped_decode_attention)
+    AttentionInterface.register(FLEX_NAME, flex_decode_attention)
 
 
 @contextmanager
-def grouped_decode(model: Any) -> Iterator[bool]:
-    """While open, an `sdpa` grouped-query `model` attends with `grouped_decode_attention`;
-    yields whether it does (other targets are left as they are)."""
+def grouped_decode(model: Any, flex: bool = False) -> Iterator[bool]:
+    """While open, an `sdpa` grouped-query `model` attends with `grouped_decode_attention`
+    (with `flex`, any `sdpa` model with `flex_decode_attention`); yields whether it does
+    (other targets are left as they are)."""
     cfg = model.config
     text = cfg.get_text_config()
     impl = getattr(cfg, "_attn_implementation", None)
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
-    if impl != "sdpa" or kv == heads or heads % kv:
+    if impl != "sdpa" or heads % kv or (kv == heads and not flex):
         yield False
         return
     _register()
-    cfg._attn_implementation = NAME
+    cfg._attn_implementation = FLEX_NAME if flex else NAME
     try:
         yield True
     finally:

@@ -172,9 +172,7 @@ def _generator(
     stops: list[int],
     pad_id: int,
     batch_size: int,
-    compile_decode: bool,
-    sdpa: tuple[str | None, str | None] = (None, None),
-    reuse_prefix: bool = True,
+    engine: dict[str, Any] | None = None,
 ) -> Generator:
     """The backend named in `settings`: HF batches, the static engine or vLLM."""
     if settings.backend == "hf":
@@ -188,10 +186,7 @@ def _generator(
             stops,
             pad_id,
             rows=batch_size,
-            compile_decode=compile_decode,
-            reuse_prefix=reuse_prefix,
-            decode_sdpa=sdpa[0],
-            prefill_sdpa=sdpa[1],
+            **(engine or {}),
         )
     if settings.backend == "vllm":
         from dflash_trainer.data.vllm_backend import VLLMGenerator
@@ -218,9 +213,7 @@ def regenerate(
     seed: int = 0,
     window: int | None = None,
     progress: bool = True,
-    compile_decode: bool = False,
-    sdpa: tuple[str | None, str | None] = (None, None),
-    reuse_prefix: bool = True,
+    engine: dict[str, Any] | None = None,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -245,9 +238,7 @@ def regenerate(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    generator = _generator(
-        model, settings, stops, pad_id, batch_size, compile_decode, sdpa, reuse_prefix
-    )
+    generator = _generator(model, settings, stops, pad_id, batch_size, engine)
     report = RegenerateReport()
     done = read_done(out, settings)
     pending: list[Conversation] = []

@@ -314,8 +314,7 @@ def _generator(
     stops: list[int],
     pad_id: int,
     rows: int,
-    compile_decode: bool = False,
-    sdpa: tuple[str | None, str | None] = (None, None),
+    engine: dict[str, Any] | None = None,
 ) -> Any:
     """The static engine when the target allows it (CPU too: its eager static path), else
     per-item seeded HF generate; a one-line notice says why."""
@@ -329,9 +328,7 @@ def _generator(
     )  # fmt: skip
     why = static_support(model) if settings.backend == "static" else "--backend hf"
     if why is None:
-        return StaticBatchEngine(
-            model, gen, stops, pad_id, rows=rows, compile_decode=compile_decode
-        )
+        return StaticBatchEngine(model, gen, stops, pad_id, rows=rows, **(engine or {}))
     print(f"dflash: synthesizing with per-prompt HF generate: {why}", file=sys.stderr)
     return KeyedHFGenerator(model, gen, stops, pad_id)
 
@@ -345,8 +342,7 @@ def synthesize(
     batch_size: int = 64,
     chunk: int | None = None,
     progress: bool = True,
-    compile_decode: bool = False,
-    sdpa: tuple[str | None, str | None] = (None, None),
+    engine: dict[str, Any] | None = None,
 ) -> SynthReport:
     """Sample `n` user prompts from `model` (items 0..n-1), appending kept ones to `out_path`."""
     from dflash_trainer.data.regenerate import cut_at_stop, stop_ids
@@ -369,7 +365,7 @@ def synthesize(
     for rec in kept:  # file order is item order: the same state an uninterrupted run had
         dedupe.offer(rec["messages"][-1]["content"])
     report = SynthReport(requested=n, already_done=sum(item_id(i) in done for i in range(n)))
-    generator = _generator(model, settings, stops, pad_id, batch_size, compile_decode, sdpa)
+    generator = _generator(model, settings, stops, pad_id, batch_size, engine)
     topics = settings.topics or (None,)
     prefixes = {t: user_turn_prefix(chat, settings.system, t) for t in topics}
     header = asdict(settings) | {"topics": list(settings.topics)}
