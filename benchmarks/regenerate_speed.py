@@ -201,6 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         prefill_align=args.prefill_align,
         compile_decode=args.compile_decode,
         decode_attention=args.decode_attention,
+        compile_prefill=args.compile_prefill,
         decode_sdpa=args.decode_sdpa,
         prefill_sdpa=args.prefill_sdpa,
     )
@@ -275,6 +276,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "engine_compiled_decode": args.compile_decode,
         "engine_sdpa": {"decode": args.decode_sdpa, "prefill": args.prefill_sdpa},
         "engine_decode_attention": args.decode_attention,
+        "engine_compiled_prefill": args.compile_prefill,
         "engine_row_utilisation": round(st.row_steps_busy / max(1, st.row_steps), 3),
         "hardware": _hardware(device),
         "device": str(device),
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-align", type=int, help="engine: prefill width multiple")
     p.add_argument("--compile-decode", action="store_true", help="engine: compile the step")
     p.add_argument("--decode-attention", choices=["sdpa", "flex"], default="sdpa")
+    p.add_argument("--compile-prefill", action="store_true", help="engine: compile prefills")
     p.add_argument("--decode-sdpa", help="engine: SDPA backends of the decode attention")
     p.add_argument("--prefill-sdpa", help="engine: SDPA backends of the prefill attention")
     p.add_argument(

@@ -268,6 +268,40 @@ def test_flex_decode_attention_equals_the_masked_dense_one() -> None:
         torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_prefills_give_the_same_answers_fresh_and_continuing() -> None:
+    """compile_prefill: prefills of new prompts and of conversations continuing after their
+    history run compiled (symbolic rows and width): the chains still equal the uncompiled
+    engine's, turn by turn."""
+    from torch._dynamo.utils import counters
+
+    model = _lively(tiny_llama(400))
+    firsts = _prompts(400, [10, 60, 30, 45, 5])
+    g = torch.Generator().manual_seed(3)
+    extra = torch.randint(3, 400, (20,), generator=g).tolist()
+
+    def run(compiled: bool) -> tuple[dict[int, list[list[int]]], Any]:
+        got: dict[int, list[list[int]]] = {c: [] for c in range(len(firsts))}
+        current = list(firsts)
+
+        def follow(chain: int, ids: list[int]) -> tuple[list[int], int] | None:
+            got[chain].append(list(ids))
+            if len(got[chain]) == 2:
+                return None
+            current[chain] = current[chain] + ids + extra
+            return current[chain], 0
+
+        settings = GenerationSettings("m", max_new_tokens=12)
+        engine = StaticBatchEngine(model, settings, [5], 0, rows=2, compile_prefill=compiled)
+        engine.generate_chains([(p, 0) for p in firsts], follow)
+        return got, engine.stats
+
+    counters.clear()
+    compiled, stats = run(True)
+    assert stats.continued > 0 and counters["stats"]["unique_graphs"] >= 2
+    assert not counters["graph_break"]
+    assert compiled == run(False)[0]
+
+
 def test_flex_decode_attention_needs_the_compiled_step() -> None:
     with pytest.raises(DFlashError, match="add --compile-decode"):
         StaticBatchEngine(tiny_llama(400), GenerationSettings("m"), [5], 0, decode_attention="flex")

@@ -55,14 +55,21 @@ def test_graphs_replay_the_eager_static_path_exactly(temperature: float) -> None
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_compiled_decode_steps_in_graphs_give_the_eager_answers(attention: str) -> None:
     """The compiled decode step (one compile for all shapes) captured in CUDA graphs, with the
-    dense masked attention or with flex attention over each row's own length, answers what
-    the eager static path answers (fp32, greedy)."""
+    dense masked attention or with flex attention over each row's own length, and compiled
+    prefills, answer what the eager static path answers (fp32, greedy)."""
     model = tiny_llama(400).cuda()
     prompts = _prompts(400)
     settings = GenerationSettings("m", max_new_tokens=48)
     stops = [5, 17, 99]
     fast = StaticBatchEngine(
-        model, settings, stops, 0, rows=8, compile_decode=True, decode_attention=attention
+        model,
+        settings,
+        stops,
+        0,
+        rows=8,
+        compile_decode=True,
+        compile_prefill=True,
+        decode_attention=attention,
     )
     eager = StaticBatchEngine(model, settings, stops, 0, rows=8, graphs=False)
     assert fast.generate(prompts) == eager.generate(prompts)

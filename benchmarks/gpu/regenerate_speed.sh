@@ -7,7 +7,8 @@
 # Variants (one JSON each): `rows256` (the default engine, 2,048 prompts: comparable with the
 #   published result), `rows256_compiled` (--compile-decode), `rows1024_compiled` (1,024 rows,
 #   8,192 prompts: a longer job, where builds and the tail of the queue weigh less),
-#   `rows1024_flex` (the same with --decode-attention flex: each row reads its own length).
+#   `rows1024_flex` (the same with --decode-attention flex: each row reads its own length),
+#   `rows1024_all` (flex decode attention and compiled prefills).
 # Inputs: PROMPTS, conversations or a prompts JSONL (e.g. `dflash data prompts --sources
 #   smollm2-mix` output); the SmolLM2 asset package.
 # Knobs: MODEL (asset:smollm2-135m-instruct), NEW (128), VARIANTS (all three), OUT
@@ -43,6 +44,8 @@ for v in ${VARIANTS:-rows256 rows256_compiled rows1024_compiled}; do
       --compile-decode --fp32-prompts 0 ;;
     rows1024_flex) run "$v" --max-prompts 8192 --hf-prompts 256 --batch-size 1024 \
       --compile-decode --decode-attention flex --fp32-prompts 0 ;;
+    rows1024_all) run "$v" --max-prompts 8192 --hf-prompts 256 --batch-size 1024 \
+      --compile-decode --decode-attention flex --compile-prefill --fp32-prompts 0 ;;
     *) echo "unknown variant $v" >&2; exit 2 ;;
   esac
 done

@@ -223,6 +223,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     otherwise)."""
     return {
         "compile_decode": args.compile_decode,
+        "compile_prefill": args.compile_prefill,
         "decode_attention": args.decode_attention,
         "decode_sdpa": args.decode_sdpa,
         "prefill_sdpa": args.prefill_sdpa,
@@ -230,6 +231,11 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_sdpa(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="static engine: compile the prefill forwards (symbolic shapes, two compiles)",
+    )
     p.add_argument(
         "--decode-attention",
         choices=["sdpa", "flex"],

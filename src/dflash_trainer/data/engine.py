@@ -82,6 +82,7 @@ class StaticBatchEngine:
         prefill_align: int | None = None,
         compile_decode: bool = False,
         reuse_prefix: bool = True,
+        compile_prefill: bool = False,
         decode_attention: str = "sdpa",
         decode_sdpa: str | None = None,
         prefill_sdpa: str | None = None,
@@ -102,6 +103,14 @@ class StaticBatchEngine:
         # and cache length, once for every shape (a compile of a 30-layer target takes most of
         # a minute; static shapes would pay it per cache length).
         self._step = torch.compile(self._decode, dynamic=True) if compile_decode else self._decode
+        # Prefills are eager forwards of new shapes each time (rows x width); compiled with
+        # symbolic shapes they fuse the same small kernels (two graphs: fresh rows and rows
+        # continuing after their history).
+        self._prefill_forward = (
+            torch.compile(self._forward_prefill, dynamic=True)
+            if compile_prefill
+            else self._forward_prefill
+        )
         self.reuse_prefix = reuse_prefix
         if decode_attention not in ("sdpa", "flex"):
             raise DFlashError(f"unknown decode attention {decode_attention!r}; use sdpa or flex")
@@ -245,6 +254,12 @@ class StaticBatchEngine:
         )
         return out.logits[:, -1].float()
 
+    def _forward_prefill(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        with sdpa_scope(self._prefill_kernels):
+            return self._forward(ids, pos, mask)
+
     def _pick(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         s = self.settings
         return pick_tokens(logits, s.temperature, s.top_p, keys, steps)
@@ -306,8 +321,7 @@ class StaticBatchEngine:
         self.cache.rows, self.cache.positions = slots_t, pos
         self.cache.fresh, self.cache.subset = starts is None, starts is not None
         try:
-            with sdpa_scope(self._prefill_kernels):
-                logits = self._forward(ids, pos, mask)
+            logits = self._prefill_forward(ids, pos, mask)
         finally:
             self.cache.subset = False
         first = self._pick(logits, keys_t, pos[:, -1])
