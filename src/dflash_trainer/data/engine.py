@@ -42,7 +42,6 @@ import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,9 +49,11 @@ import torch
 from dflash_trainer.data.engine_state import (
     EngineStats,
     Follow,
+    Rows,
     Shape,
     Work,
     cache_length,
+    common_prefix,
     kv_bytes_per_position,
 )
 from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
@@ -391,7 +392,7 @@ class StaticBatchEngine:
         rows = self._ensure(length, len(group))
         default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
         refill_at = min(self.refill_rows or default_refill, rows)
-        g = _Rows(deque(group), list(range(rows)))
+        g = Rows(deque(group), list(range(rows)))
         while g.queue or g.live or g.cont:
             waiting = len(g.queue) + len(g.cont)
             fillable = min(len(g.free), len(g.queue)) + len(g.cont)
@@ -416,14 +417,14 @@ class StaticBatchEngine:
     def _done(self, toks: list[int]) -> bool:
         return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
 
-    def _retire(self, slot: int, i: int, g: _Rows, work: Work) -> None:
+    def _retire(self, slot: int, i: int, g: Rows, work: Work) -> None:
         """Prompt i (in row `slot`) is answered. Its chain's next prompt, when it runs in this
         cache length, continues in the same row after the history the row already holds
         (the turns of a conversation: only the new user turn is prefilled); otherwise it
         waits in the queue and the row is free."""
         j = work.on_done(i)
         if j is not None and self.reuse_prefix:
-            c = min(_common_prefix(work.cached(i), work.prompts[j]), len(work.prompts[j]) - 1)
+            c = min(common_prefix(work.cached(i), work.prompts[j]), len(work.prompts[j]) - 1)
             if c > 0:
                 g.cont.append((slot, j, c))
                 return
@@ -432,7 +433,7 @@ class StaticBatchEngine:
         g.free.append(slot)
 
     def _admit(
-        self, g: _Rows, work: Work, slots: list[int], idx: list[int], firsts: list[int]
+        self, g: Rows, work: Work, slots: list[int], idx: list[int], firsts: list[int]
     ) -> None:
         for slot, i, t in zip(slots, idx, firsts):
             work.outs[i].append(t)
@@ -441,7 +442,7 @@ class StaticBatchEngine:
             else:
                 g.live[slot] = i
 
-    def _refill(self, g: _Rows, work: Work) -> None:
+    def _refill(self, g: Rows, work: Work) -> None:
         """Prefill waiting prompts, in chunks of at most prefill_tokens: continuations in
         their own rows first, then new prompts into the free rows."""
         t0 = time.perf_counter()
@@ -474,25 +475,6 @@ class StaticBatchEngine:
             )
             self._admit(g, work, slots, chunk_i, firsts)
         self.stats.prefill_s += time.perf_counter() - t0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-@dataclass
-class _Rows:
-    """Where each cache row of a running group is: decoding (`live`: row -> prompt), free,
-    or about to continue its conversation (`cont`: row, next prompt, tokens it holds)."""
-
-    queue: deque[int]
-    free: list[int]
-    live: dict[int, int] = field(default_factory=dict)
-    cont: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def engine_notice(model: Any) -> str | None:

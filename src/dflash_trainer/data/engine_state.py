@@ -4,6 +4,7 @@ prompts of a call, statistics."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,3 +85,22 @@ class Shape:
     replay: _Replay | None = None
     capped: bool = False
     """Fewer rows than asked for, for lack of memory: do not rebuild to grow it."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Rows:
+    """Where each cache row of a running group is: decoding (`live`: row -> prompt), free,
+    or about to continue its conversation (`cont`: row, next prompt, tokens it holds)."""
+
+    queue: deque[int]
+    free: list[int]
+    live: dict[int, int] = field(default_factory=dict)
+    cont: list[tuple[int, int, int]] = field(default_factory=list)
