@@ -51,7 +51,8 @@ $DFLASH data prompts --sources "$OUT/synth_source.yaml" --seed "$SEED" --out "$O
   2>&1 | tee -a "$OUT/synth.log"
 
 echo "== regenerate (all turns)"
-cat "$OUT/prompts.jsonl" "$OUT/synth.jsonl" > "$OUT/all_prompts.jsonl"
+# Interleaved, a line of each in turn: a time-limited run covers both kinds of prompts.
+paste -d '\n' "$OUT/prompts.jsonl" "$OUT/synth.jsonl" | sed '/^$/d' > "$OUT/all_prompts.jsonl"
 limit=()
 [ "${REGEN_SECONDS:-0}" -gt 0 ] && limit=(timeout -s INT "$REGEN_SECONDS")
 "${limit[@]}" $DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
