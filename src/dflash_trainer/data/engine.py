@@ -449,8 +449,12 @@ class StaticBatchEngine:
         while g.cont:
             g.cont.sort(key=lambda e: len(work.prompts[e[1]]) - e[2])
             chunk = [g.cont.pop(0)]
+            # Each continuing row attends to (and gathers, per layer) its whole cache row, so
+            # rows x L is bounded as well as the fed tokens.
+            most_rows = max(1, 8 * self.prefill_tokens // self.length)
             while (
                 g.cont
+                and len(chunk) < most_rows
                 and (len(chunk) + 1) * (len(work.prompts[g.cont[0][1]]) - g.cont[0][2])
                 <= self.prefill_tokens
             ):
