@@ -401,3 +401,37 @@ def test_engine_settings_reach_the_engine(tmp_path: Path, model: Any, tok: Any) 
     with pytest.raises(DFlashError, match="add --compile-decode"):
         _run(_convs(2), model, tok, tmp_path / "r.jsonl", backend="static",
              engine={"decode_attention": "flex"})  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["static", "hf"])
+def test_a_time_limit_stops_at_an_answer_and_keeps_every_answered_turn(
+    tmp_path: Path, tok: Any, backend: str
+) -> None:
+    m = _talkative(tok, eos=[2, 195, 259])
+    convs = _convs(9, turns=3)
+    kw: dict[str, Any] = {"max_new_tokens": 12, "window": 9, "backend": backend}
+    _run(convs, m, tok, tmp_path / "whole.jsonl", **kw)
+    whole = {r["id"]: r for r in _lines(tmp_path / "whole.jsonl")}
+    out = tmp_path / "regen.jsonl"
+    first = _run(convs, m, tok, out, time_limit=1e-9, **kw)  # stops at the first answer(s)
+    kept = _lines(out)
+    assert first.time_limit_reached and 0 < len(kept) < 9
+    assert first.written == len(kept) and first.cut_at_interrupt >= 1
+    assert sum(len(r["generation"]["finish_reasons"]) for r in kept) == sum(
+        first.finish_reasons.values()
+    )
+    for r in kept:
+        assert r["messages"] == whole[r["id"]]["messages"][: len(r["messages"])]
+    rest = _run(convs, m, tok, out, **kw)
+    assert not rest.time_limit_reached and rest.written == 9 - len(kept)
+    assert sorted(r["id"] for r in _lines(out)) == sorted(c.id for c in convs)
+
+
+def test_the_cli_refuses_a_time_limit_that_is_not_positive(tmp_path: Path) -> None:
+    from dflash_trainer.cli import main
+
+    for bad in ("0", "-5", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["data", "regenerate", "--input", "x.jsonl", "--out", str(tmp_path / "o"),
+                  "--time-limit", bad])  # fmt: skip
+        assert e.value.code == 2

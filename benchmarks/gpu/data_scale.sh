@@ -13,8 +13,8 @@
 # Inputs: the SmolLM2 asset package; for step 1 the corpora of docs/data-sources.md; the
 #   eval sets of docs/assets.md (decontamination).
 # Knobs: MODEL (asset:smollm2-135m-instruct), PROMPTS, SYNTH_N (20000), MAX_NEW_TOKENS (512),
-#   MAX_CONVERSATION_TOKENS (4096), REGEN_SECONDS (0 = to the end; SIGINT at the limit keeps
-#   every finished record and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale),
+#   MAX_CONVERSATION_TOKENS (4096), REGEN_SECONDS (0 = to the end; at the limit every answered
+#   turn is kept and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale),
 #   ENGINE_ARGS (engine settings of both synthesis and regeneration: "--batch-size 1024
 #   --compile-decode", the fastest of benchmarks/gpu/regenerate_speed.sh).
 # Outputs: $OUT/data_scale.json, $OUT/prompts.jsonl(.sources.json, .decontam.jsonl),
@@ -54,11 +54,11 @@ echo "== regenerate (all turns)"
 # Interleaved, a line of each in turn: a time-limited run covers both kinds of prompts.
 paste -d '\n' "$OUT/prompts.jsonl" "$OUT/synth.jsonl" | sed '/^$/d' > "$OUT/all_prompts.jsonl"
 limit=()
-[ "${REGEN_SECONDS:-0}" -gt 0 ] && limit=(timeout -s INT "$REGEN_SECONDS")
-"${limit[@]}" $DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
+[ "${REGEN_SECONDS:-0}" -gt 0 ] && limit=(--time-limit "$REGEN_SECONDS")
+$DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
   --out "$OUT/regen.jsonl" --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
   --max-conversation-tokens "${MAX_CONVERSATION_TOKENS:-4096}" --seed "$SEED" \
-  --device cuda --no-progress $ENGINE_ARGS 2>&1 | tee "$OUT/regen.log" || true
+  --device cuda --no-progress $ENGINE_ARGS "${limit[@]}" 2>&1 | tee "$OUT/regen.log"
 regen_s=$(($(date +%s) - start))
 
 echo "== prepare"

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--max-turns", type=int, help="answer only the first N user turns")
     r.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="stop after SECONDS of generation, keeping every answered turn (a rerun resumes)",
+    )
+    r.add_argument(
         "--max-conversation-tokens",
         type=int,
         help="end a conversation at the last turn whose render fits N tokens (default: no limit)",
@@ -204,9 +210,11 @@ def _regenerate(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         engine=_engine_options(args),
+        time_limit=args.time_limit,
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
+        f"{result.cut_at_interrupt} open conversations kept at the time limit, "
         f"{result.skipped_prompt_too_long} skipped: first prompt too long, "
         f"{result.truncated_at_prompt_limit} cut at the prompt limit, "
         f"{result.cut_at_conversation_limit} cut and {result.skipped_conversation_too_long} "
@@ -216,6 +224,16 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -135,7 +135,9 @@ class RegenerateReport:
     skipped_conversation_too_long: int = 0
     """Conversations whose first turn alone exceeds max_conversation_tokens."""
     cut_at_interrupt: int = 0
-    """Conversations still open when the job was interrupted, written with the turns they had."""
+    """Conversations still open when the job was interrupted or reached its time limit,
+    written with the turns they had."""
+    time_limit_reached: bool = False
     oom_splits: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
@@ -146,6 +148,10 @@ class RegenerateReport:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+class _TimeUp(Exception):
+    """The job's time limit passed: stop at this answer, keep what is answered."""
 
 
 class _Writer:
@@ -214,6 +220,7 @@ def regenerate(
     window: int | None = None,
     progress: bool = True,
     engine: dict[str, Any] | None = None,
+    time_limit: float | None = None,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -254,6 +261,7 @@ def regenerate(
     job.max_conversation_tokens = max_conversation_tokens
     job.seed = seed
     job.t0 = job.last_line = time.perf_counter()
+    job.deadline = job.t0 + time_limit if time_limit is not None else None
     step = window or batch_size * 8
     try:
         for w in range(0, len(pending), step):
@@ -263,8 +271,11 @@ def regenerate(
             else:
                 job.run_window(pending[w : w + step])
     except KeyboardInterrupt:
-        job.keep_open()
+        job.keep_open("interrupted")
         raise
+    except _TimeUp:
+        job.keep_open(f"stopped at the time limit ({time_limit:g} s)")
+        report.time_limit_reached = True
     finally:
         job.writer.f.close()
         job.bar.close()
@@ -296,12 +307,15 @@ class _Job:
     seed: int = 0
     tokens: SegmentTokenizer | None = None
     """Piece-cached tokenization of the growing renders (data/segment_tokens.py)."""
+    deadline: float | None = None
+    """perf_counter() past which the job stops at the next answer (`time_limit`)."""
     open_states: list[_State] = field(default_factory=list)
     """The conversations of the running window (kept on an interrupt)."""
     last_line: float = 0.0
 
-    def keep_open(self) -> None:
-        """On an interrupt: write every open conversation with the turns it has answered.
+    def keep_open(self, why: str) -> None:
+        """On an interrupt or at the time limit: write every open conversation with the turns
+        it has answered.
 
         Why: a time-limited job (SIGINT at the limit) would otherwise lose every conversation
         still in flight, which with whole conversations as chains is most of the work. The
@@ -313,11 +327,15 @@ class _Job:
             self.report.cut_at_interrupt += 1
             self._finish(s)
         print(
-            f"dflash data regenerate: interrupted; wrote the answered turns of "
+            f"dflash data regenerate: {why}; wrote the answered turns of "
             f"{self.report.cut_at_interrupt} open conversations ({self.report.written} records "
             f"in all, {self.report.new_tokens:,} new tokens)",
             file=sys.stderr,
         )
+
+    def _check_time(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _TimeUp
 
     def _ids(self, text: str) -> list[int]:
         if self.tokens is None:
@@ -350,6 +368,7 @@ class _Job:
                     else:
                         self._finish(s)
                 self._show_speed()
+                self._check_time()
 
     def run_window_chained(self, convs: list[Conversation], chains: Any) -> None:
         """Every conversation as one chain of turns on an engine that queues a conversation's
@@ -368,12 +387,14 @@ class _Job:
             s = ready[chain]
             self._answer(s, new_ids)
             self._show_speed()
-            if not self._within_budget(s):
-                return None
-            if not s.users:
-                self._finish(s)
-                return None
-            return (s.prompt or [], key(s)) if self._prompt_fits(s) else None
+            nxt = None
+            if self._within_budget(s):
+                if not s.users:
+                    self._finish(s)
+                elif self._prompt_fits(s):
+                    nxt = (s.prompt or [], key(s))
+            self._check_time()
+            return nxt
 
         chains([(s.prompt or [], key(s)) for s in ready], follow)
 
