@@ -219,3 +219,15 @@ def test_the_current_directory_is_never_the_output(
         with pytest.raises(DFlashError, match="is the current directory or holds it"):
             write(final)
     assert here.is_dir() and sorted(os.listdir(tmp_path)) == ["here"]
+
+
+def test_fsync_path_raises_for_a_file_and_tolerates_a_directory(tmp_path: Path) -> None:
+    """One durability policy: a file that cannot be synced is an error (its data may not be on
+    disk); a directory is synced as far as the file system allows."""
+    from dflash_trainer.atomic_dir import fsync_path
+
+    (tmp_path / "f.bin").write_bytes(b"x")
+    fsync_path(tmp_path / "f.bin")
+    fsync_path(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        fsync_path(tmp_path / "gone.bin")

@@ -101,15 +101,21 @@ def fsync_tree(root: Path) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or directory, as far as the file system allows (no error if it cannot)."""
+    """fsync a file (an error is raised: its data may not be on disk) or a directory (as far
+    as the file system allows: some cannot open or fsync directories, and the files in it
+    got their own fsync)."""
+    is_dir = path.is_dir()
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return  # some file systems do not open directories; the data files still got theirs
+        if is_dir:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        if not is_dir:
+            raise
     finally:
         os.close(fd)
 

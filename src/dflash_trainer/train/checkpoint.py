@@ -229,16 +229,15 @@ class Checkpointer:
         # COMPLETE always has its checksums.
         sums = {f.name: _sha256(f) for f in sorted(d.iterdir())}
         (d / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
-        for f in d.iterdir():
-            _fsync_file(f)
+        # Durability is the publisher's job, once: atomic_directory fsyncs every file before
+        # the rename (local); a remote store gets finished files from this staging copy.
         (d / COMPLETE).write_text("ok\n")
-        _fsync_file(d / COMPLETE)
 
     def _write_latest(self, name: str) -> None:
         if self.local:
             tmp = Path(self.path) / f".{LATEST}.tmp"
             tmp.write_text(name + "\n")
-            _fsync_file(tmp)
+            fsync_path(tmp)
             os.replace(tmp, Path(self.path) / LATEST)
             fsync_path(Path(self.path))
         else:
@@ -462,11 +461,3 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
     tr.skipped_total = ts["skipped_total"]
     tr.truncated_total = ts["truncated_total"]
     tr.tokens_seen = ts["tokens_seen"]
-
-
-def _fsync_file(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
