@@ -76,6 +76,36 @@ def test_compiled_decode_steps_in_graphs_give_the_eager_answers(attention: str) 
     assert fast.graphs and len({length for _r, length in fast.stats.shapes}) >= 2
 
 
+def test_conversations_continuing_in_their_rows_answer_as_whole_prefills_do() -> None:
+    """Chains on the GPU engine (graphs, fp32): a next turn that continues in its cache row
+    after the history it holds answers what a whole-history prefill in a fresh row answers."""
+    model = tiny_llama(400).cuda()
+    firsts = _prompts(400, n=24)
+    g = torch.Generator().manual_seed(5)
+    extra = torch.randint(3, 400, (30,), generator=g).tolist()
+    settings = GenerationSettings("m", max_new_tokens=24)
+
+    def run(reuse: bool) -> tuple[dict[int, list[list[int]]], int]:
+        got: dict[int, list[list[int]]] = {c: [] for c in range(len(firsts))}
+        current = list(firsts)
+
+        def follow(chain: int, ids: list[int]) -> tuple[list[int], int] | None:
+            got[chain].append(list(ids))
+            if len(got[chain]) == 3:
+                return None
+            current[chain] = current[chain] + ids + extra
+            return current[chain], 0
+
+        engine = StaticBatchEngine(model, settings, [5, 17], 0, rows=8, reuse_prefix=reuse)
+        engine.generate_chains([(p, 0) for p in firsts], follow)
+        return got, engine.stats.continued
+
+    reused, continued = run(True)
+    whole, none = run(False)
+    assert continued > 0 and none == 0
+    assert reused == whole
+
+
 def _smollm2(dtype: str) -> tuple[Any, Any, Any, list[int]]:
     from test_data_support import smollm2_tokenizer
 

@@ -242,6 +242,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "compile_decode": args.compile_decode,
         "compile_prefill": args.compile_prefill,
+        "reuse_prefix": not args.no_reuse_prefix,
         "decode_attention": args.decode_attention,
         "decode_sdpa": args.decode_sdpa,
         "prefill_sdpa": args.prefill_sdpa,
@@ -249,6 +250,12 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_sdpa(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-reuse-prefix",
+        action="store_true",
+        help="static engine: prefill a conversation's whole history at every turn (default: a "
+        "turn continues in the row that holds the conversation)",
+    )
     p.add_argument(
         "--compile-prefill",
         action="store_true",
