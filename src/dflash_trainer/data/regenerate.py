@@ -27,6 +27,10 @@ output, drops a partially written last line (a crash mid-write), refuses setting
 from those recorded (a file must not mix two distributions), and skips the ids already done.
 Sampling is seeded once per job (HF) or per call and prompt index (static engine), so a
 resumed job is valid but not bit-identical to an uninterrupted one.
+
+Time limit and interrupt: at `time_limit` (checked at every answer) or on Ctrl-C, every
+conversation still open is written with the turns it has answered (`cut_at_interrupt`);
+a rerun treats it as done and continues with the conversations not yet started.
 """
 
 from __future__ import annotations
