@@ -9,9 +9,10 @@ Throughput: the pending prompts of a round are sorted by length and generated in
 batches (little padding per batch; left padding so that every row's next token sits in the last
 column). Conversations are processed in windows of `window` conversations: round r generates
 turn r of every unfinished conversation of the window. Per-prompt HF `generate` is available as
-`per_prompt_generate`, the baseline the benchmark compares against. The static engine
-(engine.py: fixed-size caches, continuous batching, CUDA graphs) is the default on a GPU for
-the targets it supports and gets a whole round at once; vLLM, when installed, is a separate
+`per_prompt_generate` (hf_generate.py), the baseline the benchmark compares against. The
+static engine (engine.py: fixed-size caches, continuous batching, CUDA graphs) is the default
+on a GPU for the targets it supports; it runs each conversation as a chain of turns and takes
+the whole job as one window; vLLM, when installed, is a separate
 backend (vllm_backend.py) behind the same two-method interface.
 
 Length: with `max_conversation_tokens`, a conversation whose render would grow past the budget
@@ -266,10 +267,13 @@ def regenerate(
     job.seed = seed
     job.t0 = job.last_line = time.perf_counter()
     job.deadline = job.t0 + time_limit if time_limit is not None else None
-    step = window or batch_size * 8
+    chains = getattr(generator, "generate_chains", None)
+    # An engine that runs conversations as chains takes the whole job as one window: every
+    # window ends with a tail where the longest conversations finish turn after turn on a
+    # nearly idle batch. Rounds (the other backends) keep windows of batch_size x 8.
+    step = window or (max(1, len(pending)) if chains is not None else batch_size * 8)
     try:
         for w in range(0, len(pending), step):
-            chains = getattr(generator, "generate_chains", None)
             if chains is not None:
                 job.run_window_chained(pending[w : w + step], chains)
             else:
