@@ -20,6 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="data_command", metavar="{prepare,regenerate,prompts,synthesize,stats}"
     )
 
+    _add_prepare(sub)
+    _add_regenerate(sub)
+    prompts_cli.add_parser(sub)
+    _add_synthesize(sub)
+
+    s = sub.add_parser("stats", help="statistics of a prepared directory or a prompts file")
+    s.add_argument("path", type=Path)
+    s.add_argument("--split", default="all", help="train, eval or all")
+    s.add_argument("--budget", type=int, default=8192)
+    s.add_argument("--png", type=Path, help="write a length histogram PNG here")
+    s.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    parser.set_defaults(_data_parser=parser)
+
+
+def _add_prepare(sub: Any) -> None:
     p = sub.add_parser("prepare", help="conversations -> chat template + masks -> shards")
     p.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
     p.add_argument("--format", default="auto", choices=FORMATS)
@@ -41,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=8192, help="token budget shown in the stats")
     p.add_argument("--overwrite", action="store_true", help="replace a different preparation")
 
+
+def _add_regenerate(sub: Any) -> None:
     r = sub.add_parser("regenerate", help="replace assistant turns by the target's own answers")
     r.add_argument("--input", required=True, help="file, folder, asset:<name> or hf:<dataset>")
     r.add_argument("--format", default="auto", choices=FORMATS)
@@ -79,27 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the static engine on a GPU when the target allows it, else hf",
     )
-    r.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="static engine: compile the decode step (fewer kernels; one compile for all shapes)",
-    )
-    _add_sdpa(r)
+    _add_engine_options(r)
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-progress", action="store_true")
-
-    prompts_cli.add_parser(sub)
-    _add_synthesize(sub)
-
-    s = sub.add_parser("stats", help="statistics of a prepared directory or a prompts file")
-    s.add_argument("path", type=Path)
-    s.add_argument("--split", default="all", help="train, eval or all")
-    s.add_argument("--budget", type=int, default=8192)
-    s.add_argument("--png", type=Path, help="write a length histogram PNG here")
-    s.add_argument("--verify", action="store_true", help="check every shard's sha256")
-    parser.set_defaults(_data_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +250,14 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _add_sdpa(p: argparse.ArgumentParser) -> None:
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The static engine's flags, the same on `regenerate` and `synthesize`
+    (`_engine_options` reads them back)."""
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="static engine: compile the decode step (fewer kernels; one compile for all shapes)",
+    )
     p.add_argument(
         "--no-reuse-prefix",
         action="store_true",
@@ -294,10 +302,7 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument("--thinking", choices=sorted(_THINKING), default="default")
     y.add_argument("--batch-size", type=int, default=64, help="engine rows")
     y.add_argument("--backend", choices=["static", "hf"], default="static")
-    y.add_argument(
-        "--compile-decode", action="store_true", help="static engine: compile the decode step"
-    )
-    _add_sdpa(y)
+    _add_engine_options(y)
     y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     y.add_argument("--seed", type=int, default=0)

@@ -252,14 +252,7 @@ def regenerate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     generator = _generator(model, settings, stops, pad_id, batch_size, engine)
     report = RegenerateReport()
-    done = read_done(out, settings)
-    pending: list[Conversation] = []
-    for c in conversations:
-        if c.id in done:
-            report.already_done += 1
-        elif any(m["role"] == "user" for m in c.messages):
-            done.add(c.id)  # also guards against an id given twice in one job
-            pending.append(c)
+    pending = _pending(conversations, read_done(out, settings), report)
     torch.manual_seed(seed)
     writer, bar = _Writer(out, settings), _progress(len(pending), progress)
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
@@ -267,31 +260,30 @@ def regenerate(
     job.seed = seed
     job.t0 = job.last_line = time.perf_counter()
     job.deadline = job.t0 + time_limit if time_limit is not None else None
-    chains = getattr(generator, "generate_chains", None)
     # An engine that runs conversations as chains takes the whole job as one window: every
     # window ends with a tail where the longest conversations finish turn after turn on a
     # nearly idle batch. Rounds (the other backends) keep windows of batch_size x 8.
-    step = window or (max(1, len(pending)) if chains is not None else batch_size * 8)
-    try:
-        for w in range(0, len(pending), step):
-            if chains is not None:
-                job.run_window_chained(pending[w : w + step], chains)
-            else:
-                job.run_window(pending[w : w + step])
-    except KeyboardInterrupt:
-        job.keep_open("interrupted")
-        raise
-    except _TimeUp:
-        job.keep_open(f"stopped at the time limit ({time_limit:g} s)")
-        report.time_limit_reached = True
-    finally:
-        job.writer.f.close()
-        job.bar.close()
+    chained = hasattr(generator, "generate_chains")
+    job.run(pending, window or (max(1, len(pending)) if chained else batch_size * 8))
     report.seconds = time.perf_counter() - job.t0
     report.oom_splits = getattr(generator, "oom_splits", 0)
     stats = getattr(generator, "stats", None)
     report.engine = asdict(stats) if stats is not None else None
     return report
+
+
+def _pending(
+    conversations: Iterable[Conversation], done: set[str], report: RegenerateReport
+) -> list[Conversation]:
+    """The conversations still to answer, each id once; those already in the output counted."""
+    pending: list[Conversation] = []
+    for c in conversations:
+        if c.id in done:
+            report.already_done += 1
+        elif any(m["role"] == "user" for m in c.messages):
+            done.add(c.id)  # also guards against an id given twice in one job
+            pending.append(c)
+    return pending
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -320,6 +312,27 @@ class _Job:
     open_states: list[_State] = field(default_factory=list)
     """The conversations of the running window (kept on an interrupt)."""
     last_line: float = 0.0
+
+    def run(self, pending: list[Conversation], step: int) -> None:
+        """Every window in turn; at the time limit or on Ctrl-C the open conversations are
+        kept (`keep_open`); the output is closed either way."""
+        chains = getattr(self.generator, "generate_chains", None)
+        try:
+            for w in range(0, len(pending), step):
+                if chains is not None:
+                    self.run_window_chained(pending[w : w + step], chains)
+                else:
+                    self.run_window(pending[w : w + step])
+        except KeyboardInterrupt:
+            self.keep_open("interrupted")
+            raise
+        except _TimeUp:
+            assert self.deadline is not None
+            self.keep_open(f"stopped at the time limit ({self.deadline - self.t0:g} s)")
+            self.report.time_limit_reached = True
+        finally:
+            self.writer.f.close()
+            self.bar.close()
 
     def keep_open(self, why: str) -> None:
         """On an interrupt or at the time limit: write every open conversation with the turns
