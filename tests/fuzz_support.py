@@ -1,5 +1,5 @@
-"""What the two fuzzers (config and data) share: a per-example time limit and a report line
-that shows at the end of the module without `-s`."""
+"""What the two fuzzers (config and data) share: their hypothesis settings, a per-example time
+limit and a report line that shows at the end of the module without `-s`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,17 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from hypothesis import HealthCheck, settings
+
+SECONDS_PER_EXAMPLE = 10
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,  # time_limit below bounds each example; deadlines flake on shared cores
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    database=None,
+)
 
 
 class Slow(BaseException):

@@ -26,8 +26,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 import yaml
-from fuzz_support import show, time_limit
-from hypothesis import HealthCheck, given, settings
+from fuzz_support import FUZZ, SECONDS_PER_EXAMPLE, show, time_limit
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
@@ -39,14 +39,6 @@ from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.configs import apply_hf_overrides
 
 COUNTS: Counter[str] = Counter()
-SECONDS_PER_EXAMPLE = 10
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,  # the SIGALRM guard below bounds each example; deadlines flake on shared cores
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    database=None,
-)
 
 # The tiny target every accepted config must build against (built in code, no files).
 TARGET = LlamaConfig(

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzz_support import show, time_limit
-from hypothesis import HealthCheck, given, settings
+from fuzz_support import FUZZ, SECONDS_PER_EXAMPLE, show, time_limit
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_data_support import tiny_tokenizer
 
@@ -45,14 +45,6 @@ from dflash_trainer.errors import DFlashError
 
 COUNTS: Counter[str] = Counter()
 SKIPS: Counter[str] = Counter()
-SECONDS_PER_EXAMPLE = 10
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,  # the SIGALRM guard below bounds each example; deadlines flake on shared cores
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    database=None,
-)
 SUFFIXES = [".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson", ".yml"]
 
 # The small real file: one record of each format, non-ASCII text, an id, a system turn.
