@@ -248,7 +248,7 @@ def test_out_is_a_file_or_under_a_file(
 )  # fmt: skip
 def test_resuming_over_a_foreign_output_file_is_a_clear_error(tmp_path: Path, line: bytes) -> None:
     """regenerate/synthesize resume by reading their own output: anything else is refused."""
-    from dflash_trainer.data.regenerate import read_done
+    from dflash_trainer.data.regen_output import read_done
     from dflash_trainer.data.settings import GenerationSettings
     from dflash_trainer.data.synthesize import SynthSettings, _read_lines
 

@@ -18,10 +18,10 @@ from test_data_support import tiny_llama, tiny_tokenizer
 from dflash_trainer.data.formats import read_records
 from dflash_trainer.data.hf_generate import per_prompt_generate
 from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.regen_output import read_done
 from dflash_trainer.data.regenerate import (
     GenerationSettings,
     cut_at_stop,
-    read_done,
     regenerate,
     stop_ids,
 )
@@ -392,9 +392,23 @@ def test_an_interrupted_job_keeps_the_answered_turns_of_open_conversations(
         assert sum(x["role"] == "assistant" for x in r["messages"]) == n
         assert r["messages"] == whole[r["id"]]["messages"][: len(r["messages"])]
     monkeypatch.undo()
-    rerun = _run(convs, m, tok, out, **kw)  # the rest, once each
-    assert rerun.already_done == len(kept) and rerun.written == 9 - len(kept)
-    assert sorted(r["id"] for r in _lines(out)) == sorted(c.id for c in convs)
+    still_open = [r for r in kept if r["generation"]["open"]]
+    assert still_open, "the interrupt must leave a conversation with turns unanswered"
+    rerun = _run(convs, m, tok, out, **kw)  # the rest, open ones continued from their turns
+    assert rerun.continued == len(still_open)
+    assert rerun.already_done == len(kept) - len(still_open) and rerun.written == 9 - (
+        len(kept) - len(still_open)
+    )
+    _assert_same_records(_lines(out), whole)
+
+
+def _assert_same_records(records: list[dict[str, Any]], whole: dict[str, Any]) -> None:
+    """One record per conversation, each what the uninterrupted job wrote."""
+    assert sorted(r["id"] for r in records) == sorted(whole)
+    for r in records:
+        w = whole[r["id"]]
+        assert r["messages"] == w["messages"], r["id"]
+        assert r["generation"] == w["generation"], r["id"]
 
 
 def test_engine_settings_reach_the_engine(tmp_path: Path, model: Any, tok: Any) -> None:
@@ -422,9 +436,65 @@ def test_a_time_limit_stops_at_an_answer_and_keeps_every_answered_turn(
     )
     for r in kept:
         assert r["messages"] == whole[r["id"]]["messages"][: len(r["messages"])]
+    assert all(r["generation"]["open"] == (r["id"] in _open(kept, convs)) for r in kept)
     rest = _run(convs, m, tok, out, **kw)
-    assert not rest.time_limit_reached and rest.written == 9 - len(kept)
-    assert sorted(r["id"] for r in _lines(out)) == sorted(c.id for c in convs)
+    assert not rest.time_limit_reached and rest.continued == len(_open(kept, convs))
+    assert rest.written == 9 - len(kept) + rest.continued
+    assert sum(rest.finish_reasons.values()) + sum(first.finish_reasons.values()) == sum(
+        len(r["generation"]["finish_reasons"]) for r in whole.values()
+    )  # every turn answered once
+    _assert_same_records(_lines(out), whole)
+
+
+def _open(records: list[dict[str, Any]], convs: list[Conversation]) -> set[str]:
+    users = {c.id: sum(m["role"] == "user" for m in c.messages) for c in convs}
+    return {r["id"] for r in records if len(r["generation"]["finish_reasons"]) < users[r["id"]]}
+
+
+def test_a_crash_before_compaction_is_compacted_by_the_next_job(tmp_path: Path, tok: Any) -> None:
+    """A continued conversation's longer record is appended before the older one is removed:
+    killed in between, the file holds both; the next job keeps the later one, once."""
+    m = _talkative(tok, eos=[2, 195, 259])
+    convs = _convs(6, turns=3)
+    kw: dict[str, Any] = {"max_new_tokens": 12, "window": 6, "backend": "static"}
+    _run(convs, m, tok, tmp_path / "whole.jsonl", **kw)
+    whole = _lines(tmp_path / "whole.jsonl")
+    multi = [r for r in whole if len(r["generation"]["finish_reasons"]) > 1]
+    assert multi
+    older = []
+    for r in multi:  # what an interrupt after the first answer writes
+        msgs = r["messages"]
+        first = msgs[: 3 if msgs[0]["role"] == "system" else 2]
+        gen = dict(r["generation"], open=True)
+        gen["finish_reasons"] = gen["finish_reasons"][:1]
+        gen["completion_tokens"] = gen["completion_tokens"][:1]
+        older.append({"id": r["id"], "messages": first, "generation": gen})
+    out = tmp_path / "regen.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in [*older, *whole]))
+    again = _run(convs, m, tok, out, **kw)
+    assert again.written == 0 and again.continued == 0 and again.already_done == 6
+    _assert_same_records(_lines(out), {r["id"]: r for r in whole})
+
+
+def test_a_record_that_no_longer_matches_its_input_is_not_continued(
+    tmp_path: Path, model: Any, tok: Any
+) -> None:
+    convs = _convs(2, turns=2)  # c1 has two user turns
+    out = tmp_path / "regen.jsonl"
+    _run(convs[1:], model, tok, out, max_turns=1)
+    (rec,) = _lines(out)
+    rec["generation"]["open"] = True  # as an interrupt leaves it
+    out.write_text(json.dumps(rec) + "\n")
+    edited = Conversation("c1", [{"role": "user", "content": "another first question"},
+                                 *convs[1].messages[1:]])  # fmt: skip
+    report = _run([edited], model, tok, out)
+    assert report.continued == 0 and report.already_done == 1 and report.written == 0
+    assert _lines(out) == [rec]
+    report = _run(convs[1:], model, tok, out)  # the input it answered: its second turn now
+    assert report.continued == 1 and report.written == 1
+    (done,) = _lines(out)
+    assert done["messages"][:2] == rec["messages"] and len(done["messages"]) == 4
+    assert done["generation"]["open"] is False
 
 
 def test_the_cli_refuses_a_time_limit_that_is_not_positive(tmp_path: Path) -> None:

@@ -215,6 +215,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
+        f"{result.continued} continued from the turns an earlier job answered, "
         f"{result.cut_at_interrupt} open conversations kept at the time limit, "
         f"{result.skipped_prompt_too_long} skipped: first prompt too long, "
         f"{result.truncated_at_prompt_limit} cut at the prompt limit, "

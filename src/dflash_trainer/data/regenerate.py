@@ -22,7 +22,8 @@ every assistant turn in it.
 
 Output: JSON Lines in the OpenAI messages format, one record per conversation:
     {"id", "messages": [...], "generation": {model, backend, temperature, top_p, max_new_tokens,
-     enable_thinking, seed, finish_reasons: ["stop"|"length", ...], completion_tokens: [...]}}
+     enable_thinking, seed, finish_reasons: ["stop"|"length", ...], completion_tokens: [...],
+     open: true when user turns were left unanswered at an interrupt}}
 Each record is written with one write, flushed and fsynced. Resume: a restarted job reads the
 output, drops a partially written last line (a crash mid-write), refuses settings that differ
 from those recorded (a file must not mix two distributions), and skips the ids already done.
@@ -30,14 +31,14 @@ Sampling is seeded once per job (HF) or per call and prompt index (static engine
 resumed job is valid but not bit-identical to an uninterrupted one.
 
 Time limit and interrupt: at `time_limit` (checked at every answer) or on Ctrl-C, every
-conversation still open is written with the turns it has answered (`cut_at_interrupt`);
-a rerun treats it as done and continues with the conversations not yet started.
+conversation still open is written with the turns it has answered (`cut_at_interrupt`,
+`open` true in its record); a rerun continues it from those turns and replaces its record
+(regen_output.py). Greedy answers are those of an uninterrupted job; so are sampled ones on
+the static engine, whose sampling keys are per conversation and turn.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -47,12 +48,16 @@ from typing import Any, Protocol
 
 from dflash_trainer.data.hf_generate import HFBatchGenerator
 from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.regen_output import (
+    Writer,
+    compact,
+    plan_resume,
+    read_output,
+)
 from dflash_trainer.data.segment_tokens import SegmentTokenizer
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
-
-SETTINGS_THAT_MUST_MATCH = ("model", "temperature", "top_p", "max_new_tokens", "enable_thinking")
 
 
 class Generator(Protocol):
@@ -81,43 +86,6 @@ def cut_at_stop(new_ids: list[int], stops: Sequence[int]) -> tuple[list[int], st
     return new_ids, "length", len(new_ids)
 
 
-def read_done(out_path: Path, settings: GenerationSettings) -> set[str]:
-    """Ids already in the output; drops a partial last line; refuses other settings."""
-    if not out_path.exists():
-        return set()
-    done: set[str] = set()
-    good_end = 0
-    with open(out_path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # the last line of a job killed mid-write: dropped below
-            good_end += len(line)
-            if not line.strip():
-                continue
-            try:  # not JSON, not UTF-8, too deep, or not one of our records: not our file
-                rec = json.loads(line)
-                gen, rid = rec["generation"], rec["id"]
-                if not isinstance(gen, dict) or not isinstance(rid, str):
-                    raise TypeError("`generation` is not an object or `id` is not a string")
-            except (ValueError, RecursionError, KeyError, TypeError) as e:
-                raise DFlashError(
-                    f"{out_path}: line {lineno} is not a regeneration record ({e}); the file was "
-                    "edited or written by something else: move it aside or pass another --out"
-                ) from e
-            for key in SETTINGS_THAT_MUST_MATCH:
-                if gen.get(key) != getattr(settings, key):
-                    raise DFlashError(
-                        f"{out_path} was generated with {key}={gen.get(key)!r}, this job uses "
-                        f"{key}={getattr(settings, key)!r}; resume with the same settings or "
-                        "write to another --out"
-                    )
-            done.add(rid)
-    if good_end < out_path.stat().st_size:
-        with open(out_path, "r+b") as f:
-            f.truncate(good_end)
-    return done
-
-
 @dataclass
 class _State:
     conv: Conversation
@@ -127,6 +95,8 @@ class _State:
     completion_tokens: list[int] = field(default_factory=list)
     prompt: list[int] | None = None
     written: bool = False
+    resumed_turns: int | None = None
+    """Turns answered by an earlier job (a continued conversation), else None."""
 
 
 @dataclass
@@ -142,6 +112,8 @@ class RegenerateReport:
     cut_at_interrupt: int = 0
     """Conversations still open when the job was interrupted or reached its time limit,
     written with the turns they had."""
+    continued: int = 0
+    """Conversations an earlier job left open, continued from their answered turns."""
     time_limit_reached: bool = False
     oom_splits: int = 0
     new_tokens: int = 0
@@ -157,24 +129,6 @@ class RegenerateReport:
 
 class _TimeUp(Exception):
     """The job's time limit passed: stop at this answer, keep what is answered."""
-
-
-class _Writer:
-    def __init__(self, path: Path, settings: GenerationSettings) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by regenerate)
-        self.settings = asdict(settings)
-
-    def write(self, s: _State) -> None:
-        gen = {
-            **self.settings,
-            "finish_reasons": s.finish_reasons,
-            "completion_tokens": s.completion_tokens,
-        }
-        line = json.dumps({"id": s.conv.id, "messages": s.messages, "generation": gen})
-        self.f.write(line + "\n")  # one write per record: a crash leaves at most one partial line
-        self.f.flush()
-        os.fsync(self.f.fileno())
 
 
 def _generator(
@@ -252,10 +206,16 @@ def regenerate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     generator = _generator(model, settings, stops, pad_id, batch_size, engine)
     report = RegenerateReport()
-    pending = _pending(conversations, read_done(out, settings), report)
+    index = read_output(out, settings)
+    if index.duplicates:  # a job that continued conversations stopped before compacting
+        compact(out)
+    pending, resume, report.already_done, report.continued = plan_resume(
+        conversations, index, max_turns
+    )
     torch.manual_seed(seed)
-    writer, bar = _Writer(out, settings), _progress(len(pending), progress)
+    writer, bar = Writer(out, settings), _progress(len(pending), progress)
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
+    job.resume = resume
     job.max_conversation_tokens = max_conversation_tokens
     job.seed = seed
     job.t0 = job.last_line = time.perf_counter()
@@ -272,20 +232,6 @@ def regenerate(
     return report
 
 
-def _pending(
-    conversations: Iterable[Conversation], done: set[str], report: RegenerateReport
-) -> list[Conversation]:
-    """The conversations still to answer, each id once; those already in the output counted."""
-    pending: list[Conversation] = []
-    for c in conversations:
-        if c.id in done:
-            report.already_done += 1
-        elif any(m["role"] == "user" for m in c.messages):
-            done.add(c.id)  # also guards against an id given twice in one job
-            pending.append(c)
-    return pending
-
-
 def _progress(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
@@ -299,7 +245,7 @@ class _Job:
     stops: list[int]
     max_prompt_tokens: int | None
     max_turns: int | None
-    writer: _Writer
+    writer: Writer
     report: RegenerateReport
     bar: Any
     t0: float
@@ -312,6 +258,10 @@ class _Job:
     open_states: list[_State] = field(default_factory=list)
     """The conversations of the running window (kept on an interrupt)."""
     last_line: float = 0.0
+    resume: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Id -> the earlier record of a conversation this job continues."""
+    rewrote: int = 0
+    """Continued conversations written again (their earlier records are compacted away)."""
 
     def run(self, pending: list[Conversation], step: int) -> None:
         """Every window in turn; at the time limit or on Ctrl-C the open conversations are
@@ -333,6 +283,8 @@ class _Job:
         finally:
             self.writer.f.close()
             self.bar.close()
+            if self.rewrote:
+                compact(self.writer.path)
 
     def keep_open(self, why: str) -> None:
         """On an interrupt or at the time limit: write every open conversation with the turns
@@ -340,13 +292,15 @@ class _Job:
 
         Why: a time-limited job (SIGINT at the limit) would otherwise lose every conversation
         still in flight, which with whole conversations as chains is most of the work. The
-        record is a valid shorter conversation; a rerun treats it as done."""
+        record is a valid shorter conversation, marked `open`; a rerun continues it."""
         for s in self.open_states:
             answered = sum(m["role"] == "assistant" for m in s.messages)
             if s.written or not s.finish_reasons or answered != len(s.finish_reasons):
                 continue  # nothing answered, or interrupted between a turn's two updates
+            if s.resumed_turns == answered:
+                continue  # continued, nothing new: its earlier record stands as it is
             self.report.cut_at_interrupt += 1
-            self._finish(s)
+            self._finish(s, open_turns=True)
         print(
             f"dflash data regenerate: {why}; wrote the answered turns of "
             f"{self.report.cut_at_interrupt} open conversations ({self.report.written} records "
@@ -366,7 +320,20 @@ class _Job:
     def start(self, conv: Conversation) -> _State:
         head = [m for m in conv.messages[:1] if m["role"] == "system"]
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
-        return _State(conv, users[: self.max_turns] if self.max_turns else users, list(head))
+        users = users[: self.max_turns] if self.max_turns else users
+        rec = self.resume.pop(conv.id, None)
+        if rec is None:
+            return _State(conv, users, list(head))
+        gen = rec["generation"]  # checked by _continues
+        k = len(gen["finish_reasons"])
+        return _State(
+            conv,
+            users[k:],
+            list(rec["messages"]),
+            list(gen["finish_reasons"]),
+            list(gen["completion_tokens"]),
+            resumed_turns=k,
+        )
 
     def run_window(self, convs: list[Conversation]) -> None:
         """Round r answers turn r of every unfinished conversation, shortest prompts first."""
@@ -484,10 +451,11 @@ class _Job:
             self.report.skipped_conversation_too_long += 1
             self.bar.update(1)
 
-    def _finish(self, s: _State) -> None:
+    def _finish(self, s: _State, open_turns: bool = False) -> None:
         s.written = True
-        self.writer.write(s)
+        self.writer.write(s.conv.id, s.messages, s.finish_reasons, s.completion_tokens, open_turns)
         self.report.written += 1
-        for r in s.finish_reasons:
+        self.rewrote += s.resumed_turns is not None
+        for r in s.finish_reasons[s.resumed_turns or 0 :]:  # the turns this job answered
             self.report.finish_reasons[r] = self.report.finish_reasons.get(r, 0) + 1
         self.bar.update(1)
