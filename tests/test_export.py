@@ -413,6 +413,47 @@ def test_cli_export_prints_serve_commands_and_card_has_tau(tmp_path, capsys):
     assert "target checks skipped" not in printed  # the meta's target was read
 
 
+def _eval_report(path: Path, tau: float, speedup: float | None, device: str) -> Path:
+    """The fields of a `dflash eval` report that the model card reads."""
+    gsm8k = {"num_responses": 40, "tau": tau, "tau_pooled": tau - 0.1, "speedup": speedup}
+    report = {
+        "arguments": {"target": "asset:t", "prompts": "gsm8k", "max_samples": 40,
+                      "max_new_tokens": 256, "temperature": 0.0, "device": device,
+                      "decode": "auto", "no_baseline": speedup is None},
+        "environment": {"device": device, "gpu": "NVIDIA H200" if device == "cuda" else None},
+        "target": {"dtype": "bfloat16" if device == "cuda" else "float32"},
+        "sets": {"gsm8k": gsm8k},
+    }  # fmt: skip
+    path.mkdir()
+    (path / "eval.json").write_text(json.dumps(report))
+    return path
+
+
+def test_export_writes_the_measured_acceptance_of_eval_reports_into_the_card(tmp_path):
+    run, _ = write_run(tmp_path, tiny_spec())
+    gpu = _eval_report(tmp_path / "t0", 2.26, 1.43, "cuda")
+    cpu = _eval_report(tmp_path / "cpu", 2.31, None, "cpu")
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--to", "zlab", str(out), "--eval", str(gpu),
+                 "--eval", str(cpu / "eval.json")]) == 0  # fmt: skip
+    card = (out / "README.md").read_text()
+    assert "| gsm8k | 0 | 40 | 2.26 | 2.16 | 1.43x | NVIDIA H200, bfloat16 |" in card
+    assert "| gsm8k | 0 | 40 | 2.31 | 2.21 | - | cpu, float32 |" in card
+    assert f"dflash eval --drafter {out} --target asset:t --prompts gsm8k" in card
+    assert "--device cpu" in card and "--no-baseline" in card
+    assert "Not measured yet" not in card
+
+
+def test_export_refuses_an_eval_report_it_cannot_read_before_writing(tmp_path):
+    run, _ = write_run(tmp_path, tiny_spec())
+    (tmp_path / "bad.json").write_text('{"sets": 3}')
+    for bad, why in ((tmp_path / "bad.json", "not a `dflash eval` report"),
+                     (tmp_path / "missing.json", "cannot read")):  # fmt: skip
+        with pytest.raises(DFlashError, match=why):
+            export_drafter(run, tmp_path / "out", "zlab", evals=[str(bad)])
+        assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_a_non_empty_directory_unless_forced(tmp_path):
     run, _ = write_run(tmp_path, tiny_spec())
     out = tmp_path / "out"

@@ -1,8 +1,9 @@
 """The README.md model card of an export: what it drafts for, how it was trained,
 the acceptance it measured, and the exact commands that serve it.
 
-Everything comes from the drafter's `meta.json`; a key the trainer did not write is
-reported as unknown rather than guessed. Serve commands were read from vLLM's and
+Everything comes from the drafter's `meta.json` and the `dflash eval` reports given to
+`dflash export --eval`; a key the trainer did not write is reported as unknown rather than
+guessed. Serve commands were read from vLLM's and
 SGLang's DFlash code (see docs/formats.md for the versions).
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from dflash_trainer import __version__
 from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.errors import DFlashError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -71,8 +73,70 @@ def _json_block(title: str, value: Any) -> list[str]:
     return [f"## {title}", "", "```json", text, "```", ""]
 
 
+def read_eval_report(path: str | Path) -> dict[str, Any]:
+    """A `dflash eval` report (eval.json, or the directory holding it), checked for its sets."""
+    p = Path(path)
+    p = p / "eval.json" if p.is_dir() else p
+    try:
+        report = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(
+            f"--eval {path}: cannot read a `dflash eval` report ({e}); pass the eval.json "
+            "(or its --out-dir) that `dflash eval` wrote"
+        ) from e
+    sets = report.get("sets") if isinstance(report, dict) else None
+    if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
+        raise DFlashError(f"--eval {path}: not a `dflash eval` report (no prompt sets in it)")
+    return dict(report)
+
+
+def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if not isinstance(x, (int, float)) else f"{x:{spec}}{suffix}"
+
+
+def _eval_command(report: dict[str, Any], here: str) -> str:
+    a = report.get("arguments") or {}
+    cmd = f"dflash eval --drafter {here}"
+    for flag, key in (("--target", "target"), ("--prompts", "prompts"),
+                      ("--max-samples", "max_samples"), ("--max-new-tokens", "max_new_tokens"),
+                      ("--temperature", "temperature"), ("--device", "device"),
+                      ("--decode", "decode"))  :  # fmt: skip
+        if a.get(key) not in (None, "auto"):
+            cmd += f" {flag} {a[key]}"
+    return cmd + (" --no-baseline" if a.get("no_baseline") else "")
+
+
+def measured_lines(evals: list[dict[str, Any]], here: str) -> list[str]:
+    """The card's table of measured acceptance, one row per prompt set and report."""
+    lines = [
+        "Measured with `dflash eval`: tau = tokens per target step (mean over responses; "
+        "pooled: all tokens over all steps); speedup = decode tokens/s against the target "
+        "alone in the same process ('-': no baseline was run).",
+        "",
+        "| prompts | temperature | responses | tau | tau pooled | speedup | device, target dtype |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in evals:
+        env, a = r.get("environment") or {}, r.get("arguments") or {}
+        where = f"{env.get('gpu') or env.get('device')}, {(r.get('target') or {}).get('dtype')}"
+        for name, s in r["sets"].items():
+            lines.append(
+                f"| {name} | {_fmt(a.get('temperature'), 'g')} | {s.get('num_responses', '-')} "
+                f"| {_fmt(s.get('tau'))} | {_fmt(s.get('tau_pooled'))} "
+                f"| {_fmt(s.get('speedup'), '.2f', 'x')} | {where} |"
+            )
+    lines += ["", "Commands:", "", "```bash"]
+    lines += [_eval_command(r, here) for r in evals] + ["```", ""]
+    return lines
+
+
 def model_card(
-    spec: DrafterSpec, meta: dict[str, Any], fmt: str, out: str, target: str | None
+    spec: DrafterSpec,
+    meta: dict[str, Any],
+    fmt: str,
+    out: str,
+    target: str | None,
+    evals: list[dict[str, Any]] | None = None,
 ) -> str:
     tau = _value(meta, "eval", "tau")
     base = hub_id(target)
@@ -106,12 +170,18 @@ def model_card(
     lines += _json_block("Training recipe", meta.get("training"))
     lines += _json_block("Training data", meta.get("data"))
     lines += ["## Measured acceptance", ""]
-    if tau is not None:
+    if evals:
+        lines += measured_lines(evals, out)
+    elif tau is not None:
         lines += [f"Mean acceptance length tau = {tau} (tokens per target step).", ""]
         details = json.dumps(meta.get("eval"), indent=2, sort_keys=True, default=str)
         lines += ["```json", details, "```", ""]
     else:
-        lines += ["Not measured yet: run `dflash eval` on this drafter.", ""]
+        lines += [
+            "Not measured yet: run `dflash eval` on this drafter (and `dflash export --eval "
+            "REPORT` to record it here).",
+            "",
+        ]
     lines += ["## Serve", ""]
     for engine, cmd in serve_commands(fmt, out, target, spec).items():
         lang = "python" if "transformers" in engine else "bash"

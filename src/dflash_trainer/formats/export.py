@@ -29,7 +29,7 @@ from dflash_trainer.assets import serving_name
 from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.formats.card import hub_id, model_card, serve_commands
+from dflash_trainer.formats.card import hub_id, model_card, read_eval_report, serve_commands
 from dflash_trainer.formats.check import (
     DTYPES,
     CheckReport,
@@ -241,6 +241,7 @@ def export_drafter(
     dtype: str = "bfloat16",
     target: str | None = None,
     force: bool = False,
+    evals: list[str] | None = None,
 ) -> ExportResult:
     """Write `source` (run dir, checkpoint, our files, or another export) as `fmt`.
 
@@ -252,6 +253,7 @@ def export_drafter(
         raise DFlashError(f"--to {fmt}: choose one of {list(FORMATS)}")
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+    reports = [read_eval_report(e) for e in evals or []]  # refused before anything is written
     spec, state, meta = import_drafter(source, target=target)
     _check_state(spec, state, str(source))
     out_p = Path(out)
@@ -269,7 +271,7 @@ def export_drafter(
     with atomic_directory(out_p, replace=True) as tmp:  # never a half-written export
         write_weights(tmp / WEIGHTS_NAME, tensors)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), serve))
+        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), serve, reports))
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():
         report.warn(
@@ -290,7 +292,7 @@ def _meta_target(meta: dict[str, Any]) -> str | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.usage = (
-        "dflash export SOURCE --to {zlab,speculators} OUT [--dtype D] [--target T]\n"
+        "dflash export SOURCE --to {zlab,speculators} OUT [--dtype D] [--target T] [--eval R]\n"
         "       dflash export --check OUT [--target T]"
     )
     p.add_argument("source", nargs="?", help="run dir, checkpoint dir, or drafter/export dir")
@@ -313,11 +315,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target hub id / dir / asset (default: the one in meta.json)")
     p.add_argument("--check", metavar="DIR", help="validate an exported directory instead")
     p.add_argument("--force", action="store_true", help="overwrite our files in OUT")
+    p.add_argument(
+        "--eval",
+        action="append",
+        metavar="REPORT",
+        help="a `dflash eval` report (eval.json or its directory) of this drafter, written "
+        "into the model card's measured acceptance; repeat for more",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.check:
-        if args.source or args.out or args.to:
+        if args.source or args.out or args.to or args.eval:
             raise DFlashError("--check takes only the directory to check (and --target)")
         return _run_check(Path(args.check), args.target)
     to = list(args.to or [])
@@ -326,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         out = to.pop()
     if not (args.source and out and len(to) == 1):
         raise DFlashError("give SOURCE, --to zlab|speculators and OUT (or --check DIR)")
-    result = export_drafter(args.source, out, to[0], args.dtype, args.target, args.force)
+    result = export_drafter(args.source, out, to[0], args.dtype, args.target, args.force, args.eval)
     print(result.report.render())
     if not result.report.ok:
         print(
