@@ -43,8 +43,13 @@ for layout in zlab speculators; do
   $DFLASH export "$RUN" --to "$layout" "$OUT/$layout" --force
   $DFLASH export --check "$OUT/$layout"
 done
-mkdir -p "$(dirname "$PUBLISH")"
-rm -rf "$PUBLISH.tmp" && cp -r "$OUT/zlab" "$PUBLISH.tmp" && rm -rf "$PUBLISH" && mv "$PUBLISH.tmp" "$PUBLISH"
+publish() {  # the z-lab export at $PUBLISH, its card naming that path; then the eval reports
+  local evals=()
+  for e in t0 t1; do [ -e "$OUT/$e/eval.json" ] && evals+=(--eval "$OUT/$e"); done
+  mkdir -p "$(dirname "$PUBLISH")"
+  (cd "$REPO" && $DFLASH export "$RUN" --to zlab "${PUBLISH#"$REPO"/}" --force "${evals[@]}")
+}
+publish  # before the evaluations: the weights are in place even if they do not finish
 
 echo "== evaluate"
 evaluate() {  # name, temperature, then extra flags
@@ -64,6 +69,8 @@ for e in ${EVALS:-t0 t1 eager}; do
     *) echo "unknown evaluation $e" >&2; exit 2 ;;
   esac
 done
+
+publish  # again, with the measured acceptance in its card
 
 echo "== report"
 for e in t0 t1; do

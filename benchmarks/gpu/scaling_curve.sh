@@ -10,6 +10,7 @@
 # Inputs: REGEN (required): `dflash data regenerate` output; HEADLINE: benchmarks/gpu/headline.sh's
 #   OUT (its run/ and t0/ are the full-size point; leave unset to plot the subsets only).
 # Knobs: SIZES ("10000 30000" conversations, the first N records of REGEN), SAMPLES (40),
+#   SETS (gsm8k,mt-bench,humaneval: the prompt sets each subset run is evaluated on),
 #   EXTRA (more training overrides), MODEL (asset:smollm2-135m-instruct),
 #   OUT (benchmarks/out/scaling_curve).
 # Outputs: $OUT/scaling/scaling.{json,md,png}, $OUT/r<N>/ (runs with t0/ eval), $OUT/prep_<N>/
@@ -33,7 +34,7 @@ for n in ${SIZES:-10000 30000}; do
     $DFLASH train --recipe smollm2-135m "data.train=$prep" "run.output_dir=$run" ${EXTRA:-} \
       > "$OUT/r$n.log" 2>&1
   fi
-  [ -e "$run/t0/eval.json" ] || $DFLASH eval --drafter "$run" --prompts gsm8k,mt-bench,humaneval \
+  [ -e "$run/t0/eval.json" ] || $DFLASH eval --drafter "$run" --prompts "${SETS:-gsm8k,mt-bench,humaneval}" \
     --max-samples "${SAMPLES:-40}" --max-new-tokens 256 --temperature 0 --allow-mismatch \
     --no-progress --out-dir "$run/t0" > "$OUT/r$n.eval.log" 2>&1
   runs+=(--run "$n=$run")

@@ -1,7 +1,7 @@
 """`dflash plot RUN_DIR`: PNG training curves from metrics.jsonl.
 
 One figure per quantity a user reads first: loss, in-batch acceptance (exact and
-expected tau, plus the measured tau of in-training evals when present), per-slot
+expected tau, plus the measured and walked held-out tau of in-training evals when present), per-slot
 accuracy at the last log, learning rate and throughput.
 """
 
@@ -63,6 +63,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
             "o-",
             label=f"measured tau ({evals[0].get('eval_set', 'eval')})",
         )
+        walks = [r for r in evals if r.get("heldout_walk_tau") is not None]
+        if walks:  # served acceptance on held-out training-distribution documents
+            ax.plot(
+                [r["step"] for r in walks],
+                [r["heldout_walk_tau"] for r in walks],
+                "s-",
+                label="walked held-out tau",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("acceptance length")
     ax.set_title("acceptance")
