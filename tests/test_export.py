@@ -417,11 +417,11 @@ def _eval_report(path: Path, tau: float, speedup: float | None, device: str) -> 
     """The fields of a `dflash eval` report that the model card reads."""
     gsm8k = {"num_responses": 40, "tau": tau, "tau_pooled": tau - 0.1, "speedup": speedup}
     report = {
-        "arguments": {"target": "asset:t", "prompts": "gsm8k", "max_samples": 40,
+        "arguments": {"target": None, "prompts": "gsm8k,mt-bench", "max_samples": 40,
                       "max_new_tokens": 256, "temperature": 0.0, "device": device,
                       "decode": "auto", "no_baseline": speedup is None},
         "environment": {"device": device, "gpu": "NVIDIA H200" if device == "cuda" else None},
-        "target": {"dtype": "bfloat16" if device == "cuda" else "float32"},
+        "target": {"name_or_path": "asset:t", "dtype": "bfloat16" if device == "cuda" else "float32"},
         "sets": {"gsm8k": gsm8k},
     }  # fmt: skip
     path.mkdir()
@@ -439,7 +439,8 @@ def test_export_writes_the_measured_acceptance_of_eval_reports_into_the_card(tmp
     card = (out / "README.md").read_text()
     assert "| gsm8k | 0 | 40 | 2.26 | 2.16 | 1.43x | NVIDIA H200, bfloat16 |" in card
     assert "| gsm8k | 0 | 40 | 2.31 | 2.21 | - | cpu, float32 |" in card
-    assert f"dflash eval --drafter {out} --target asset:t --prompts gsm8k" in card
+    # the target the report ran, the sets it holds (an interrupted run holds fewer)
+    assert f"dflash eval --drafter {out} --target asset:t --prompts gsm8k --max" in card
     assert "--device cpu" in card and "--no-baseline" in card
     assert "Not measured yet" not in card
 

@@ -95,7 +95,11 @@ def _fmt(x: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def _eval_command(report: dict[str, Any], here: str) -> str:
-    a = report.get("arguments") or {}
+    """The command that measures the report's rows for the drafter at `here`: its prompt
+    sets, and the target it ran (an export does not record one)."""
+    a = dict(report.get("arguments") or {})
+    a["target"] = a.get("target") or (report.get("target") or {}).get("name_or_path")
+    a["prompts"] = ",".join(report["sets"])
     cmd = f"dflash eval --drafter {here}"
     for flag, key in (("--target", "target"), ("--prompts", "prompts"),
                       ("--max-samples", "max_samples"), ("--max-new-tokens", "max_new_tokens"),
