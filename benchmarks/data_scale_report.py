@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,22 @@ def _lines(path: Path) -> Any:
                 yield json.loads(line)
 
 
+LOOP_TAIL_CHARS = 1500
+LOOP_RATIO = 0.15
+
+
+def ends_in_a_loop(answer: str) -> bool:
+    """Whether an answer's last 1,500 characters compress below 15% of their size (zlib):
+    text that repeats a short cycle. Why: a small target stopped by `max_new_tokens` often
+    repeats itself to the limit; such tails are most of the supervised tokens and the
+    easiest ones, so they inflate token counts and in-batch tau."""
+    tail = answer[-LOOP_TAIL_CHARS:].encode()
+    return len(tail) >= 200 and len(zlib.compress(tail, 9)) < LOOP_RATIO * len(tail)
+
+
 def regen_counts(paths: list[Path]) -> dict[str, Any]:
-    """Assistant turns, answers stopped by length and completion tokens, per source prefix."""
+    """Assistant turns, answers stopped by length, those ending in a loop and completion
+    tokens, per source prefix."""
     per: dict[str, Counter] = defaultdict(Counter)
     for path in paths:
         for rec in _lines(path):
@@ -42,6 +57,13 @@ def regen_counts(paths: list[Path]) -> dict[str, Any]:
             per[src]["assistant_turns"] += len(reasons)
             per[src]["stopped_by_length"] += sum(r == "length" for r in reasons)
             per[src]["completion_tokens"] += sum(gen.get("completion_tokens", []))
+            answers = [
+                m.get("content", "") for m in rec["messages"] if m.get("role") == "assistant"
+            ]
+            for text, reason, n in zip(answers, reasons, gen.get("completion_tokens", [])):
+                if reason == "length" and ends_in_a_loop(str(text)):
+                    per[src]["stopped_in_a_loop"] += 1
+                    per[src]["stopped_in_a_loop_tokens"] += n
     return {k: dict(v) for k, v in sorted(per.items())}
 
 
@@ -78,6 +100,10 @@ def main() -> None:
         "assistant_turns": sum(v.get("assistant_turns", 0) for v in regen.values()),
         "conversations": sum(v.get("conversations", 0) for v in regen.values()),
         "stopped_by_length": sum(v.get("stopped_by_length", 0) for v in regen.values()),
+        "stopped_in_a_loop": sum(v.get("stopped_in_a_loop", 0) for v in regen.values()),
+        "stopped_in_a_loop_tokens": sum(
+            v.get("stopped_in_a_loop_tokens", 0) for v in regen.values()
+        ),
         "completion_tokens": sum(v.get("completion_tokens", 0) for v in regen.values()),
         "supervised_tokens": sum(sp.get("supervised_tokens", 0) for sp in splits.values()),
         "tokens": sum(sp.get("tokens", 0) for sp in splits.values()),
