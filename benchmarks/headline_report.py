@@ -1,8 +1,11 @@
 """The headline drafter's numbers as one JSON, from `dflash eval` reports.
 
-Reads the `eval.json` of a temperature-0 and a temperature-1 evaluation (CUDA-graph decoding,
+Reads the `eval.json` of temperature-0 and temperature-1 evaluations (CUDA-graph decoding,
 target-only baseline in the same process) and, optionally, of a temperature-0 evaluation with
-`--decode eager` (plain HF decoding) for the speedup over eager decoding. Writes
+`--decode eager` (plain HF decoding) for the speedup over eager decoding. Each temperature
+takes one or more reports: a set comes from the first report that holds it (list the GPU
+evaluation first; a CPU evaluation run with `--no-baseline` adds tau without a speedup). Every
+row says where it was measured (`device`, `dtype`). Writes
 
     {"gsm8k": {"t0": {"tau", "tau_pooled", "speedup", "prompts", ...}, "t1": {...}},
      "mt-bench": {...}, "humaneval": {...}, "drafter": "<path>", "goals": {...}}
@@ -30,16 +33,26 @@ GOALS = {
 }
 
 
-def _sets(eval_dir: Path) -> dict[str, Any]:
+def _report(eval_dir: Path) -> dict[str, Any]:
     path = eval_dir / "eval.json" if eval_dir.is_dir() else eval_dir
-    sets = json.loads(path.read_text())["sets"]
-    if not isinstance(sets, dict):
+    report = json.loads(path.read_text())
+    if not isinstance(report.get("sets"), dict):
         raise SystemExit(f"{path}: 'sets' is not a mapping of prompt sets")
-    return sets
+    return dict(report)
 
 
-def _row(s: dict[str, Any]) -> dict[str, Any]:
+def _where(report: dict[str, Any]) -> dict[str, Any]:
+    env = report.get("environment", {})
     return {
+        "device": env.get("gpu") or env.get("device"),
+        "dtype": report.get("target", {}).get("dtype"),
+        "report_created": report.get("created"),
+    }
+
+
+def _row(s: dict[str, Any], where: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **where,
         "tau": s.get("tau"),
         "tau_pooled": s.get("tau_pooled"),
         "speedup": s.get("speedup"),
@@ -53,13 +66,15 @@ def _row(s: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build(t0: Path, t1: Path, eager: Path | None, drafter: str) -> dict[str, Any]:
+def build(t0: list[Path], t1: list[Path], eager: Path | None, drafter: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for temp, where in (("t0", t0), ("t1", t1)):
-        for name, s in _sets(where).items():
-            out.setdefault(name, {})[temp] = _row(s)
+    for temp, dirs in (("t0", t0), ("t1", t1)):
+        for d in dirs:
+            report = _report(d)
+            for name, s in report["sets"].items():
+                out.setdefault(name, {}).setdefault(temp, _row(s, _where(report)))
     if eager is not None:
-        for name, s in _sets(eager).items():
+        for name, s in _report(eager)["sets"].items():
             row = out.get(name, {}).get("t0")
             hf = s.get("baseline_decode_tokens_per_s")
             if row and hf and row.get("decode_tokens_per_s"):
@@ -85,8 +100,12 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--t0", type=Path, required=True, help="eval dir (or eval.json) at t=0")
-    p.add_argument("--t1", type=Path, required=True, help="eval dir (or eval.json) at t=1")
+    p.add_argument(
+        "--t0", type=Path, nargs="+", required=True, help="eval dirs (or eval.json) at t=0"
+    )
+    p.add_argument(
+        "--t1", type=Path, nargs="+", required=True, help="eval dirs (or eval.json) at t=1"
+    )
     p.add_argument("--eager", type=Path, help="eval dir at t=0 with --decode eager")
     p.add_argument("--drafter", required=True, help="the evaluated drafter's path")
     p.add_argument("--out", type=Path, required=True)
