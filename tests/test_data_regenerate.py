@@ -453,27 +453,32 @@ def _open(records: list[dict[str, Any]], convs: list[Conversation]) -> set[str]:
 
 def test_a_crash_before_compaction_is_compacted_by_the_next_job(tmp_path: Path, tok: Any) -> None:
     """A continued conversation's longer record is appended before the older one is removed:
-    killed in between, the file holds both; the next job keeps the later one, once."""
+    killed in between, the file holds both; the next job keeps the later one, once, and
+    continues it if it is still open."""
     m = _talkative(tok, eos=[2, 195, 259])
     convs = _convs(6, turns=3)
     kw: dict[str, Any] = {"max_new_tokens": 12, "window": 6, "backend": "static"}
     _run(convs, m, tok, tmp_path / "whole.jsonl", **kw)
     whole = _lines(tmp_path / "whole.jsonl")
     multi = [r for r in whole if len(r["generation"]["finish_reasons"]) > 1]
-    assert multi
-    older = []
-    for r in multi:  # what an interrupt after the first answer writes
-        msgs = r["messages"]
-        first = msgs[: 3 if msgs[0]["role"] == "system" else 2]
-        gen = dict(r["generation"], open=True)
-        gen["finish_reasons"] = gen["finish_reasons"][:1]
-        gen["completion_tokens"] = gen["completion_tokens"][:1]
-        older.append({"id": r["id"], "messages": first, "generation": gen})
+    three = next(r for r in multi if len(r["generation"]["finish_reasons"]) == 3)
+    older = [_cut(r, 1) for r in multi]  # what an interrupt after the first answer writes
+    later = [_cut(three, 2) if r is three else r for r in whole]  # one still open
     out = tmp_path / "regen.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in [*older, *whole]))
+    out.write_text("".join(json.dumps(r) + "\n" for r in [*older, *later]))
     again = _run(convs, m, tok, out, **kw)
-    assert again.written == 0 and again.continued == 0 and again.already_done == 6
+    assert again.continued == 1 and again.written == 1 and again.already_done == 5
     _assert_same_records(_lines(out), {r["id"]: r for r in whole})
+
+
+def _cut(rec: dict[str, Any], turns: int) -> dict[str, Any]:
+    """`rec` as an interrupt after its first `turns` answers writes it."""
+    msgs = rec["messages"]
+    head = 1 if msgs[0]["role"] == "system" else 0
+    gen = dict(rec["generation"], open=True)
+    gen["finish_reasons"] = gen["finish_reasons"][:turns]
+    gen["completion_tokens"] = gen["completion_tokens"][:turns]
+    return {"id": rec["id"], "messages": msgs[: head + 2 * turns], "generation": gen}
 
 
 def test_a_record_that_no_longer_matches_its_input_is_not_continued(

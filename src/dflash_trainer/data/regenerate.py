@@ -209,6 +209,7 @@ def regenerate(
     index = read_output(out, settings)
     if index.duplicates:  # a job that continued conversations stopped before compacting
         compact(out)
+        index = read_output(out, settings)  # the offsets moved
     pending, resume, report.already_done, report.continued = plan_resume(
         conversations, index, max_turns
     )
