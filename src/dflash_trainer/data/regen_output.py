@@ -1,8 +1,8 @@
 """The output file of `dflash data regenerate`: appending records, reading them back to resume,
 and compacting the file when a conversation was continued.
 
-One record per conversation, appended with one write and fsynced, so a crash leaves at most
-one partial last line (dropped when the file is read back). A record whose conversation still
+One record per conversation, appended with one write and fsynced (append_log.py), so a
+crash leaves at most one partial last line (dropped when the file is read back). A record whose conversation still
 has user turns it did not answer (kept at an interrupt or at the time limit, `open` true) is
 continued by the next job, which appends the longer record; the last record of an id is the
 one that counts. Continued records are compacted away at the end of that job (and, after a
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.atomic_dir import fsync_path, temp_name
+from dflash_trainer.data.append_log import append_line, complete_lines
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
@@ -73,31 +74,23 @@ def read_output(out_path: Path, settings: GenerationSettings) -> OutputIndex:
     index = OutputIndex(out_path)
     if not out_path.exists():
         return index
-    good_end = 0
-    with open(out_path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # the last line of a job killed mid-write: dropped below
-            offset, good_end = good_end, good_end + len(line)
-            if not line.strip():
-                continue
-            rid, gen = _parse(line, out_path, lineno)
-            for key in SETTINGS_THAT_MUST_MATCH:
-                if gen.get(key) != getattr(settings, key):
-                    raise DFlashError(
-                        f"{out_path} was generated with {key}={gen.get(key)!r}, this job uses "
-                        f"{key}={getattr(settings, key)!r}; resume with the same settings or "
-                        "write to another --out"
-                    )
-            index.duplicates += rid in index.answered
-            reasons = gen.get("finish_reasons")
-            index.answered[rid] = len(reasons) if isinstance(reasons, list) else 0
-            index.offsets[rid] = offset
-            # Records written before `open` was recorded have no key: they may be continued.
-            (index.closed.add if gen.get("open") is False else index.closed.discard)(rid)
-    if good_end < out_path.stat().st_size:
-        with open(out_path, "r+b") as f:
-            f.truncate(good_end)
+    for lineno, offset, line in complete_lines(out_path):
+        if not line.strip():
+            continue
+        rid, gen = _parse(line, out_path, lineno)
+        for key in SETTINGS_THAT_MUST_MATCH:
+            if gen.get(key) != getattr(settings, key):
+                raise DFlashError(
+                    f"{out_path} was generated with {key}={gen.get(key)!r}, this job uses "
+                    f"{key}={getattr(settings, key)!r}; resume with the same settings or "
+                    "write to another --out"
+                )
+        index.duplicates += rid in index.answered
+        reasons = gen.get("finish_reasons")
+        index.answered[rid] = len(reasons) if isinstance(reasons, list) else 0
+        index.offsets[rid] = offset
+        # Records written before `open` was recorded have no key: they may be continued.
+        (index.closed.add if gen.get("open") is False else index.closed.discard)(rid)
     return index
 
 
@@ -208,7 +201,4 @@ class Writer:
             "completion_tokens": completion_tokens,
             "open": open_turns,
         }
-        line = json.dumps({"id": rid, "messages": messages, "generation": gen})
-        self.f.write(line + "\n")  # one write per record: a crash leaves at most one partial line
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        append_line(self.f, json.dumps({"id": rid, "messages": messages, "generation": gen}))

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_trainer.data.append_log import append_line, complete_lines
 from dflash_trainer.data.sampling import item_key
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
@@ -248,40 +249,31 @@ def _read_lines(path: Path, settings: SynthSettings) -> list[dict[str, Any]]:
     """Records of `path` (a partial last line dropped); refuses other settings."""
     if not path.exists():
         return []
-    records, good_end = [], 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                break  # written by a job killed mid-write
-            good_end += len(line)
-            try:  # not JSON, not UTF-8, too deep, or not one of our records: not our file
-                rec = json.loads(line)
-                synth, _ = rec["synthesis"], rec["id"]
-                if not isinstance(synth, dict):
-                    raise TypeError("`synthesis` is not an object")
-            except (ValueError, RecursionError, KeyError, TypeError) as e:
+    records = []
+    for lineno, _offset, line in complete_lines(path):
+        try:  # not JSON, not UTF-8, too deep, or not one of our records: not our file
+            rec = json.loads(line)
+            synth, _ = rec["synthesis"], rec["id"]
+            if not isinstance(synth, dict):
+                raise TypeError("`synthesis` is not an object")
+        except (ValueError, RecursionError, KeyError, TypeError) as e:
+            raise DFlashError(
+                f"{path}: line {lineno} is not a synthesis record ({e}); move the file "
+                "aside or pass another --out"
+            ) from e
+        for key in MUST_MATCH:
+            mine = list(getattr(settings, key)) if key == "topics" else getattr(settings, key)
+            if synth.get(key) != mine:
                 raise DFlashError(
-                    f"{path}: line {lineno} is not a synthesis record ({e}); move the file "
-                    "aside or pass another --out"
-                ) from e
-            for key in MUST_MATCH:
-                mine = list(getattr(settings, key)) if key == "topics" else getattr(settings, key)
-                if synth.get(key) != mine:
-                    raise DFlashError(
-                        f"{path} was synthesized with {key}={synth.get(key)!r}, this job uses "
-                        f"{key}={mine!r}; resume with the same settings or write to another --out"
-                    )
-            records.append(rec)
-    if good_end < path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
+                    f"{path} was synthesized with {key}={synth.get(key)!r}, this job uses "
+                    f"{key}={mine!r}; resume with the same settings or write to another --out"
+                )
+        records.append(rec)
     return records
 
 
 def _append(f: Any, record: dict[str, Any]) -> None:
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: at most one partial line
-    f.flush()
-    os.fsync(f.fileno())
+    append_line(f, json.dumps(record, ensure_ascii=False))
 
 
 def item_id(i: int) -> str:

@@ -1,0 +1,36 @@
+"""Append-only JSON Lines outputs (regeneration, synthesis): one write per record, and
+reading them back to resume.
+
+Why one write, flushed and fsynced: a job killed at any moment leaves at most one partial
+last line, which the next job's read drops before it appends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+
+def complete_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, line) of every complete line of `path`; once all were
+    read, a partial last line (a job killed mid-write) is cut off the file. A reader that
+    stops early (a line it refuses) leaves the file as it was."""
+    good_end = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                break
+            yield lineno, good_end, line
+            good_end += len(line)
+    if good_end < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+
+
+def append_line(f: IO[str], text: str) -> None:
+    """Append one record's line with one write, then flush and fsync it."""
+    f.write(text + "\n")
+    f.flush()
+    os.fsync(f.fileno())
