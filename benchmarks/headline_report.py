@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--t0", type=Path, nargs="+", required=True, help="eval dirs (or eval.json) at t=0"
     )
-    p.add_argument(
-        "--t1", type=Path, nargs="+", required=True, help="eval dirs (or eval.json) at t=1"
-    )
+    p.add_argument("--t1", type=Path, nargs="+", default=[], help="eval dirs (or eval.json) at t=1")
     p.add_argument("--eager", type=Path, help="eval dir at t=0 with --decode eager")
     p.add_argument("--drafter", required=True, help="the evaluated drafter's path")
     p.add_argument("--out", type=Path, required=True)

@@ -49,6 +49,8 @@ def test_dotted_overrides_parse_yaml_values():
         ),
         ("drafter.target_layer_ids=[3, 3]", r"drafter\.target_layer_ids: has duplicates"),
         ("training.max_anchors=true", r"training\.max_anchors: expected an integer"),
+        ("data.sources=[{}]", r"data\.sources\[0\]\.name: required key missing"),
+        ("data.loop_tails=cut", r"data\.loop_tails: must be one of \['keep', 'mask'\]"),
     ],
 )
 def test_mistakes_name_the_field(override, message):

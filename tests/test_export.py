@@ -400,6 +400,7 @@ def test_cli_export_prints_serve_commands_and_card_has_tau(tmp_path, capsys):
         "data": {"name": "sharegpt", "conversations": 1000},
         "step": 1234,
         "eval": {"tau": 3.25},
+        "prepared": {"settings": {"loop_tails": "mask"}, "loop_tails": {"answers": 17}},
     }
     run, _ = write_run(tmp_path, spec, meta=meta)
     out = tmp_path / "out"
@@ -409,6 +410,7 @@ def test_cli_export_prints_serve_commands_and_card_has_tau(tmp_path, capsys):
     assert "--speculative-num-draft-tokens 4" in printed
     card = (out / "README.md").read_text()
     assert "tau = 3.25" in card and "1234" in card and "sharegpt" in card
+    assert "## Prepared data" in card and '"answers": 17' in card
     assert str(target) in card and "vllm serve" in card
     assert "target checks skipped" not in printed  # the meta's target was read
 

@@ -18,7 +18,8 @@
 #   ENGINE_ARGS (engine settings of both synthesis and regeneration: "--batch-size 1024
 #   --compile-decode", the fastest of benchmarks/gpu/regenerate_speed.sh).
 # Outputs: $OUT/data_scale.json, $OUT/prompts.jsonl(.sources.json, .decontam.jsonl),
-#   $OUT/synth.jsonl(.report.json), $OUT/regen.jsonl, $OUT/prep/, $OUT/*.log
+#   $OUT/synth.jsonl(.report.json), $OUT/regen.jsonl, $OUT/prep/, $OUT/prep_mask/ (loop tails
+#   masked: the headline's DATA), $OUT/*.log
 # Runtime: regeneration dominates: useful tokens / engine tokens per second
 #   (benchmarks/small_target_speed_h200_202612.md).
 # Result document: benchmarks/data_scale_smollm2_h200_<date>.md
@@ -64,6 +65,9 @@ regen_s=$(($(date +%s) - start))
 echo "== prepare"
 $DFLASH data prepare --input "$OUT/regen.jsonl" --tokenizer "$MODEL" --out "$OUT/prep" \
   --eval-fraction 0.01 --overwrite 2>&1 | tee "$OUT/prepare.log" | tail -n 30
+# What the headline trains on: the same documents, loop tails out of supervision.
+$DFLASH data prepare --input "$OUT/regen.jsonl" --tokenizer "$MODEL" --out "$OUT/prep_mask" \
+  --eval-fraction 0.01 --overwrite --loop-tails mask 2>&1 | tee "$OUT/prepare_mask.log" | head -n 3
 
 echo "== report"
 printf '{"model": "%s", "seed": %s, "seconds_to_regenerated": %s, "hardware": "%s"}\n' \

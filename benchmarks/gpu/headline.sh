@@ -4,7 +4,7 @@
 # CUDA-graph decoding against the target alone, plus plain eager HF decoding at t=0), export
 # it to both serving layouts, and write the headline JSON with each goal met or not.
 #
-#   DATA=benchmarks/out/data_scale/prep bash benchmarks/gpu/headline.sh
+#   DATA=benchmarks/out/data_scale/prep_mask bash benchmarks/gpu/headline.sh
 #   STEPS=200 SAMPLES=10 DATA=... bash benchmarks/gpu/headline.sh      # a short rehearsal
 #
 # Resumable: run it again after an interruption and training continues from the run
@@ -14,6 +14,9 @@
 # Knobs: RUN (benchmarks/out/headline/run), STEPS (the recipe's schedule when empty),
 #   SAMPLES (40 prompts per set), MAX_NEW_TOKENS (256), PUBLISH (drafters/smollm2-135m-dflash-b16),
 #   EVALS ("t0 t1 eager": which evaluations, in order; the export comes first),
+#   EAGER_SETS, EAGER_SAMPLES (the eager evaluation's sets and prompts per set: plain HF
+#   decoding is slow; its baseline rate is what the speedup over eager decoding divides by),
+#   T1_ARGS (more flags for the t=1 evaluation, e.g. --no-baseline when the GPU is shared),
 #   EXTRA (more training overrides), OUT (benchmarks/out/headline).
 # Outputs: $OUT/headline_smollm2_h200.json (what benchmarks/results/ keeps), $OUT/t0, $OUT/t1,
 #   $OUT/eager (eval reports), $OUT/zlab and $OUT/speculators (checked exports), $PUBLISH.
@@ -52,20 +55,21 @@ publish() {  # the z-lab export at $PUBLISH, its card naming that path; then the
 publish  # before the evaluations: the weights are in place even if they do not finish
 
 echo "== evaluate"
-evaluate() {  # name, temperature, then extra flags
-  local name=$1 temp=$2
-  shift 2
+evaluate() {  # name, temperature, prompt sets, prompts per set, then extra flags
+  local name=$1 temp=$2 sets=$3 samples=$4
+  shift 4
   [ -e "$OUT/$name/eval.json" ] && return 0
-  $DFLASH eval --drafter "$RUN" --prompts gsm8k,mt-bench,humaneval \
-    --max-samples "${SAMPLES:-40}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" \
+  $DFLASH eval --drafter "$RUN" --prompts "$sets" \
+    --max-samples "$samples" --max-new-tokens "${MAX_NEW_TOKENS:-256}" \
     --temperature "$temp" --allow-mismatch --no-progress --out-dir "$OUT/$name" "$@" \
     > "$OUT/$name.log" 2>&1
 }
+all=gsm8k,mt-bench,humaneval
 for e in ${EVALS:-t0 t1 eager}; do
   case $e in
-    t0) evaluate t0 0 ;;
-    t1) evaluate t1 1 ;;
-    eager) evaluate eager 0 --decode eager ;;
+    t0) evaluate t0 0 "$all" "${SAMPLES:-40}" ;;
+    t1) evaluate t1 1 "$all" "${SAMPLES:-40}" ${T1_ARGS:-} ;;
+    eager) evaluate eager 0 "${EAGER_SETS:-$all}" "${EAGER_SAMPLES:-${SAMPLES:-40}}" --decode eager ;;
     *) echo "unknown evaluation $e" >&2; exit 2 ;;
   esac
 done

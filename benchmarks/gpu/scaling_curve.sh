@@ -11,7 +11,8 @@
 #   OUT (its run/ and t0/ are the full-size point; leave unset to plot the subsets only).
 # Knobs: SIZES ("10000 30000" conversations, the first N records of REGEN), SAMPLES (40),
 #   SETS (gsm8k,mt-bench,humaneval: the prompt sets each subset run is evaluated on),
-#   EXTRA (more training overrides), MODEL (asset:smollm2-135m-instruct),
+#   EXTRA (more training overrides), PREPARE_ARGS (more `dflash data prepare` flags, e.g.
+#   --loop-tails mask as the full-size run was prepared), MODEL (asset:smollm2-135m-instruct),
 #   OUT (benchmarks/out/scaling_curve).
 # Outputs: $OUT/scaling/scaling.{json,md,png}, $OUT/r<N>/ (runs with t0/ eval), $OUT/prep_<N>/
 # Runtime: the subsets' training (tokens x epochs / packed tokens per second) plus about
@@ -27,7 +28,7 @@ for n in ${SIZES:-10000 30000}; do
   prep="$OUT/prep_$n" run="$OUT/r$n"
   echo "== $n conversations"
   [ -e "$prep/manifest.json" ] || $DFLASH data prepare --input "$REGEN" --tokenizer "$MODEL" \
-    --max-records "$n" --eval-fraction 0.01 --out "$prep" | tail -n 3
+    --max-records "$n" --eval-fraction 0.01 --out "$prep" ${PREPARE_ARGS:-} | tail -n 3
   if [ -e "$run/LATEST" ]; then
     $DFLASH train --resume "$run" > "$OUT/r$n.log" 2>&1
   else

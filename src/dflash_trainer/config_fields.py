@@ -191,6 +191,15 @@ def build(cls: type, data: dict[str, Any], path: str) -> Any:
         fail(
             f"{where}{unknown[0]}", f"unknown key; valid keys of {path or 'the config'} are {names}"
         )
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        where = f"{path}." if path else ""
+        fail(f"{where}{missing[0]}", f"required key missing; {path or 'the config'} needs {required}")
     kwargs = {k: coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kwargs)
 

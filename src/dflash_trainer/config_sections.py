@@ -180,6 +180,8 @@ class DataConfig:
     """Truncate documents to this many tokens (default: token_budget), counted in the log."""
     eval_fraction: float = setting(0.02, lo=0, hi=1, hi_open=True)
     """Fraction of prepared documents split off for evaluation by stable hash."""
+    loop_tails: Literal["keep", "mask"] = "keep"
+    """mask: stop supervising the repeating tail of answers that loop (data/loop_tails.py)."""
     shuffle_seed: int = setting(0, **_SEED)
     """Seed of the epoch shuffles."""
     sources: tuple[SourceConfig, ...] = setting((), max_len=1024)

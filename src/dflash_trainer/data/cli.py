@@ -48,6 +48,13 @@ def _add_prepare(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, help="skip documents longer than N tokens")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument(
+        "--loop-tails",
+        choices=["keep", "mask"],
+        default="keep",
+        help="mask: stop supervising the repeating tail of an answer that loops (a small "
+        "target's greedy answers often cycle to the length limit; docs/data.md)",
+    )
+    p.add_argument(
         "--thinking",
         choices=sorted(_THINKING),
         default="default",
@@ -137,9 +144,16 @@ def _prepare(args: argparse.Namespace) -> int:
         template_kwargs=None if thinking is None else {"enable_thinking": thinking},
         overwrite=args.overwrite,
         budget=args.budget,
+        loop_tails=args.loop_tails,
     )
     manifest = read_manifest(out)
     print(ReadReport.from_dict(manifest["read_report"]).format())
+    loops = manifest.get("loop_tails", {})
+    if loops.get("mode") == "mask":
+        print(
+            f"loop tails: {loops['answers']} answers, {loops['unsupervised_tokens']} tokens "
+            f"unsupervised, {loops['trimmed_tokens']} trailing tokens dropped"
+        )
     print()
     print((out / "stats.txt").read_text().rstrip())
     print(f"\nprepared {out} in {time.perf_counter() - t0:.1f} s", end="")

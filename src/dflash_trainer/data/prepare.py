@@ -29,6 +29,7 @@ from dflash_trainer.data.formats import Skip, read_records
 from dflash_trainer.data.guard import FILE_ERRORS, file_error
 from dflash_trainer.data.jsonio import HFDataset, input_files
 from dflash_trainer.data.loading import load_tokenizer, resolve_source
+from dflash_trainer.data.loop_tails import LOOP_TAILS, LoopTally, mask_loop_tails
 from dflash_trainer.data.mixture import SourceTally, read_sidecar
 from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
 from dflash_trainer.data.shards import (
@@ -218,12 +219,13 @@ def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
 
 
 def _write_documents(
-    root: Path, inp: _Inputs, batch_size: int
+    root: Path, inp: _Inputs, batch_size: int, loops: LoopTally
 ) -> tuple[ReadReport, SourceTally, dict[str, list[dict[str, Any]]]]:
     """Read, template and shard every record; the counts and each split's shard entries."""
     settings = inp.settings
     report = ReadReport(source=str(inp.source))
     tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
+    mask_loops = settings["loop_tails"] == "mask"
     writers = {s: ShardWriter(root, s, settings["shard_tokens"]) for s in SPLITS}
     records = read_records(
         inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
@@ -231,6 +233,8 @@ def _write_documents(
     max_tokens = settings["max_tokens"]
     for batch in _batches(records, batch_size):
         for record, doc in _templated(batch, inp.chat, len(inp.tok)):
+            if mask_loops and not isinstance(doc, Skip):
+                doc = mask_loop_tails(doc, loops)
             if isinstance(doc, Skip) or (
                 max_tokens is not None and len(doc.input_ids) > max_tokens
             ):
@@ -248,7 +252,11 @@ def _write_documents(
 
 
 def _manifest(
-    inp: _Inputs, report: ReadReport, tally: SourceTally, entries: dict[str, list[dict[str, Any]]]
+    inp: _Inputs,
+    report: ReadReport,
+    tally: SourceTally,
+    entries: dict[str, list[dict[str, Any]]],
+    loops: LoopTally,
 ) -> dict[str, Any]:
     resolved = inp.resolved
     return {
@@ -261,6 +269,7 @@ def _manifest(
         "settings": inp.settings,
         "read_report": report.to_dict(),
         "sources": tally.to_dict(),
+        "loop_tails": loops.to_dict(inp.settings["loop_tails"]),
         "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
         "splits": {
             s: {
@@ -287,15 +296,19 @@ def prepare_dataset(
     overwrite: bool = False,
     budget: int = 8192,
     batch_size: int = 256,
+    loop_tails: str = "keep",
 ) -> Path:
     """Prepare `source` for training with `tokenizer`'s chat template into `out_dir`.
 
     `source`: a path, `asset:<name>` or `hf:<dataset>`; `tokenizer`: a tokenizer object or a
     spec for `load_tokenizer`. Documents over `max_tokens` are skipped (`too_long`). `budget`
-    only feeds the statistics (documents over the trainer's token budget).
+    only feeds the statistics (documents over the trainer's token budget). `loop_tails`:
+    "keep", or "mask" to take answers' repeating tails out of supervision (data/loop_tails.py).
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if loop_tails not in LOOP_TAILS:
+        raise DFlashError(f"loop_tails must be one of {', '.join(LOOP_TAILS)}, got {loop_tails!r}")
     t0 = time.perf_counter()
     out = Path(out_dir)
     remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
@@ -305,18 +318,20 @@ def prepare_dataset(
         "max_tokens": max_tokens,
         "eval_fraction": eval_fraction,
         "shard_tokens": shard_tokens,
+        "loop_tails": loop_tails,
     }
     inp = _inputs(source, tokenizer, template_kwargs, settings)
     if _reuse(out, inp.fingerprint, overwrite):
         return out
     with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
-        report, tally, entries = _write_documents(tmp, inp, batch_size)
+        loops = LoopTally()
+        report, tally, entries = _write_documents(tmp, inp, batch_size, loops)
         if report.kept == 0:
             raise DFlashError(
                 f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "
                 "answers first with `dflash data regenerate`)"
             )
-        manifest = _manifest(inp, report, tally, entries)
+        manifest = _manifest(inp, report, tally, entries, loops)
         _write_json(tmp / MANIFEST, manifest)
         _write_stats(tmp, budget)
         manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)

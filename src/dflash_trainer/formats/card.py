@@ -173,6 +173,8 @@ def model_card(
     lines += [f"Training step: {meta.get('step', 'not recorded')}", ""]
     lines += _json_block("Training recipe", meta.get("training"))
     lines += _json_block("Training data", meta.get("data"))
+    if meta.get("prepared"):
+        lines += _json_block("Prepared data", meta["prepared"])
     lines += ["## Measured acceptance", ""]
     if evals:
         lines += measured_lines(evals, out)

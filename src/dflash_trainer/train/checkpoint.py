@@ -70,6 +70,8 @@ class Trainer(Protocol):
     @property
     def run_dir(self) -> Path: ...
     @property
+    def data(self) -> Any: ...
+    @property
     def drafter(self) -> torch.nn.Module: ...
     @property
     def model(self) -> torch.nn.Module: ...
@@ -381,7 +383,21 @@ def run_meta(tr: Trainer) -> dict[str, Any]:
         "target": config_to_dict(tr.cfg.target),
         "training": config_to_dict(tr.cfg.training),
         "data": config_to_dict(tr.cfg.data),
+        "prepared": prepared_meta(getattr(tr.data.train, "manifest", None) if tr.data else None),
         "run": str(tr.run_dir),
+    }
+
+
+def prepared_meta(manifest: Any) -> dict[str, Any] | None:
+    """How the training documents were prepared (`dflash data prepare` settings, loop tails,
+    train split size): a prepared directory's settings are not in the run's config."""
+    if not isinstance(manifest, dict):
+        return None
+    train = manifest.get("splits", {}).get("train", {})
+    return {
+        "settings": manifest.get("settings"),
+        "loop_tails": manifest.get("loop_tails"),
+        "train": {k: train.get(k) for k in ("documents", "tokens", "supervised_tokens")},
     }
 
 

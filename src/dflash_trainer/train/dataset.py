@@ -9,6 +9,7 @@ reuses it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,15 @@ def load_train_data(cfg: Config, run_dir: Path, is_main: bool = True) -> TrainDa
     train = PreparedDataset(root, "train")
     if len(train) == 0:
         raise DFlashError(f"{root}: the train split has no documents")
+    prepared_with = train.manifest.get("settings", {}).get("loop_tails", "keep")
+    if is_main and prepared_with != cfg.data.loop_tails:
+        # A prepared directory is used as it is: say so rather than let the config mislead.
+        print(
+            f"[dflash] note: {root} was prepared with loop_tails={prepared_with}; "
+            f"data.loop_tails={cfg.data.loop_tails} applies only when the trainer prepares "
+            f"the data (re-run `dflash data prepare --loop-tails {cfg.data.loop_tails}`)",
+            file=sys.stderr,
+        )
     eval_split = None
     try:
         ev = PreparedDataset(root, "eval")
@@ -80,6 +90,7 @@ def prepare_for_run(cfg: Config, run_dir: Path) -> Path:
         max_records=cfg.data.max_records if not cfg.data.regenerate else None,
         eval_fraction=cfg.data.eval_fraction,
         budget=cfg.data.token_budget,
+        loop_tails=cfg.data.loop_tails,
     )
 
 

@@ -1,0 +1,125 @@
+"""Loop tails: the end of an answer that repeats itself, taken out of supervision.
+
+A small target decoding greedily often falls into a cycle (the same sentence, list item or
+code line again and again) and stays there until `max_new_tokens` stops it. In the SmolLM2
+set a third of the answers end that way and their loops hold two thirds of the completion
+tokens. Such text is the easiest a drafter can see: once a cycle has been seen, every later
+token is a copy. Uniform anchors then land mostly in loops, the in-batch acceptance looks
+excellent, and the varied text that serving spends its steps on gets a third of the
+gradient. The answer's end-of-turn token after a length stop is also not one the target
+wrote: training on it teaches the drafter to stop inside a loop.
+
+`mask` mode keeps the loop tokens in the document (later turns and the target's features
+still see exactly what was generated) but stops supervising them: every token of a loop tail
+past its first `KEEP` tokens leaves the loss mask, so no anchor lands there and no slot is
+scored there (anchors need a supervised next token). Tokens after a document's last
+supervised token are then dropped: nothing is predicted from them, and they would only take
+pack space.
+
+What counts as a loop, per supervised span (an assistant turn): a token whose preceding
+`NGRAM` tokens (itself included) already occurred earlier in the span is a repeat. The loop
+tail is the span's longest suffix in which no more than `MAX_GAP` non-repeats come in a row
+(a counter or a changed word inside a cycle breaks up to NGRAM n-grams). It is a loop when it
+is at least `MIN_LOOP` tokens long and at least `MIN_REPEATED` of it repeats (a numbered
+list item repeated with its number changing is about half repeats). The first cycle
+of a loop is new text and stays supervised; the tail starts at its second cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_trainer.data.template import TemplatedDoc
+
+LOOP_TAILS = ("keep", "mask")
+NGRAM = 8
+MAX_GAP = 12
+MIN_LOOP = 128
+MIN_REPEATED = 0.5
+KEEP = 32
+"""Loop tokens kept supervised: the drafter still learns that a cycle goes on."""
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def repeats(tokens: np.ndarray) -> np.ndarray:
+    """Bool [n]: the NGRAM tokens ending at each position occurred earlier in `tokens`."""
+    n = len(tokens)
+    rep = np.zeros(n, dtype=bool)
+    if n < NGRAM:
+        return rep
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    h = np.zeros(n - NGRAM + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # a 64-bit polynomial hash: wrapping is the point
+        for k in range(NGRAM):
+            h = h * _MULT + t[k : n - NGRAM + 1 + k]
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    idx = np.arange(len(h))
+    rep[NGRAM - 1 :] = first[inverse] < idx
+    return rep
+
+
+def loop_onset(tokens: np.ndarray) -> int | None:
+    """Where a span's loop tail starts (its second cycle), or None if it has none."""
+    n = len(tokens)
+    if n < MIN_LOOP + NGRAM:
+        return None
+    rep = repeats(tokens)
+    # Runs of non-repeats: the tail starts after the last run longer than MAX_GAP.
+    padded = np.concatenate(([True], rep, [True])).astype(np.int8)
+    edges = np.diff(padded)
+    starts = np.flatnonzero(edges == -1)  # first non-repeat of each run
+    ends = np.flatnonzero(edges == 1)  # one past its last
+    long_runs = ends[(ends - starts) > MAX_GAP]
+    begin = int(long_runs[-1]) if len(long_runs) else 0
+    hits = np.flatnonzero(rep[begin:])
+    if not len(hits):
+        return None
+    onset = begin + int(hits[0])
+    tail = rep[onset:]
+    if len(tail) < MIN_LOOP or tail.mean() < MIN_REPEATED:
+        return None
+    return onset
+
+
+@dataclass
+class LoopTally:
+    """What `mask` mode did to a preparation, for its manifest."""
+
+    answers: int = 0
+    """Assistant turns with a loop tail."""
+    unsupervised_tokens: int = 0
+    """Tokens taken out of the loss mask (trimmed ones included)."""
+    trimmed_tokens: int = 0
+    """Tokens dropped after a document's last supervised token."""
+
+    def to_dict(self, mode: str) -> dict[str, int | str]:
+        return {"mode": mode, **self.__dict__}
+
+
+def _spans(mask: np.ndarray) -> list[tuple[int, int]]:
+    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
+    edges = np.diff(padded)
+    return list(
+        zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True)
+    )
+
+
+def mask_loop_tails(doc: TemplatedDoc, tally: LoopTally) -> TemplatedDoc:
+    """`doc` with its loop tails unsupervised and its unsupervised end dropped."""
+    mask = doc.loss_mask.copy()
+    for s, e in _spans(doc.loss_mask):
+        onset = loop_onset(doc.input_ids[s:e])
+        if onset is None:
+            continue
+        cut = s + onset + KEEP
+        if cut < e:
+            tally.answers += 1
+            tally.unsupervised_tokens += e - cut
+            mask[cut:e] = False
+    supervised = np.flatnonzero(mask)
+    end = int(supervised[-1]) + 1 if len(supervised) else len(mask)
+    tally.trimmed_tokens += len(mask) - end
+    return TemplatedDoc(doc.input_ids[:end], mask[:end], doc.repairs)
