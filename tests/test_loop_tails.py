@@ -126,7 +126,11 @@ def test_prepare_masks_loop_tails_and_reports_them(tmp_path: Path) -> None:
     # Untouched but for the separator after its end-of-turn token, unsupervised, dropped.
     assert m == len(short_keep.loss_mask) - 1 and not short_keep.loss_mask[m:].any()
     assert np.array_equal(short_mask.loss_mask, short_keep.loss_mask[:m])
-    assert json.loads((keep / "manifest.json").read_text())["loop_tails"]["answers"] == 0
+    kept_manifest = json.loads((keep / "manifest.json").read_text())
+    assert kept_manifest["loop_tails"]["answers"] == 0
+    # The default adds nothing to the settings: directories prepared before the option keep
+    # their fingerprint and are reused, not refused as prepared otherwise.
+    assert "loop_tails" not in kept_manifest["settings"]
 
 
 def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:

@@ -199,7 +199,9 @@ def build(cls: type, data: dict[str, Any], path: str) -> Any:
     missing = [name for name in required if name not in data]
     if missing:
         where = f"{path}." if path else ""
-        fail(f"{where}{missing[0]}", f"required key missing; {path or 'the config'} needs {required}")
+        fail(
+            f"{where}{missing[0]}", f"required key missing; {path or 'the config'} needs {required}"
+        )
     kwargs = {k: coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     return cls(**kwargs)
 

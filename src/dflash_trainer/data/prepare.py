@@ -225,7 +225,7 @@ def _write_documents(
     settings = inp.settings
     report = ReadReport(source=str(inp.source))
     tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
-    mask_loops = settings["loop_tails"] == "mask"
+    mask_loops = settings.get("loop_tails") == "mask"
     writers = {s: ShardWriter(root, s, settings["shard_tokens"]) for s in SPLITS}
     records = read_records(
         inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
@@ -269,7 +269,7 @@ def _manifest(
         "settings": inp.settings,
         "read_report": report.to_dict(),
         "sources": tally.to_dict(),
-        "loop_tails": loops.to_dict(inp.settings["loop_tails"]),
+        "loop_tails": loops.to_dict(inp.settings.get("loop_tails", "keep")),
         "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
         "splits": {
             s: {
@@ -318,8 +318,9 @@ def prepare_dataset(
         "max_tokens": max_tokens,
         "eval_fraction": eval_fraction,
         "shard_tokens": shard_tokens,
-        "loop_tails": loop_tails,
     }
+    if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
+        settings["loop_tails"] = loop_tails
     inp = _inputs(source, tokenizer, template_kwargs, settings)
     if _reuse(out, inp.fingerprint, overwrite):
         return out
