@@ -91,7 +91,8 @@ class LoopTally:
     answers: int = 0
     """Assistant turns with a loop tail."""
     unsupervised_tokens: int = 0
-    """Tokens taken out of the loss mask (trimmed ones included)."""
+    """Supervised tokens taken out of the loss mask (those at a document's end are then also
+    dropped, and counted again in trimmed_tokens)."""
     trimmed_tokens: int = 0
     """Tokens dropped after a document's last supervised token."""
 
