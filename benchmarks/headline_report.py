@@ -71,8 +71,9 @@ def build(t0: list[Path], t1: list[Path], eager: Path | None, drafter: str) -> d
     for temp, dirs in (("t0", t0), ("t1", t1)):
         for d in dirs:
             report = _report(d)
+            where = _where(report)
             for name, s in report["sets"].items():
-                out.setdefault(name, {}).setdefault(temp, _row(s, _where(report)))
+                out.setdefault(name, {}).setdefault(temp, _row(s, where))
     if eager is not None:
         for name, s in _report(eager)["sets"].items():
             row = out.get(name, {}).get("t0")

@@ -61,6 +61,12 @@ def repeats(tokens: np.ndarray) -> np.ndarray:
     return rep
 
 
+def _runs(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and ends (one past the last) of the runs of True in a bool array."""
+    edges = np.diff(np.concatenate(([False], flags, [False])).astype(np.int8))
+    return np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+
+
 def loop_onset(tokens: np.ndarray) -> int | None:
     """Where a span's loop tail starts (its second cycle), or None if it has none."""
     n = len(tokens)
@@ -68,10 +74,7 @@ def loop_onset(tokens: np.ndarray) -> int | None:
         return None
     rep = repeats(tokens)
     # Runs of non-repeats: the tail starts after the last run longer than MAX_GAP.
-    padded = np.concatenate(([True], rep, [True])).astype(np.int8)
-    edges = np.diff(padded)
-    starts = np.flatnonzero(edges == -1)  # first non-repeat of each run
-    ends = np.flatnonzero(edges == 1)  # one past its last
+    starts, ends = _runs(~rep)
     long_runs = ends[(ends - starts) > MAX_GAP]
     begin = int(long_runs[-1]) if len(long_runs) else 0
     hits = np.flatnonzero(rep[begin:])
@@ -100,18 +103,11 @@ class LoopTally:
         return {"mode": mode, **self.__dict__}
 
 
-def _spans(mask: np.ndarray) -> list[tuple[int, int]]:
-    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
-    edges = np.diff(padded)
-    return list(
-        zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist(), strict=True)
-    )
-
-
 def mask_loop_tails(doc: TemplatedDoc, tally: LoopTally) -> TemplatedDoc:
     """`doc` with its loop tails unsupervised and its unsupervised end dropped."""
     mask = doc.loss_mask.copy()
-    for s, e in _spans(doc.loss_mask):
+    starts, ends = _runs(doc.loss_mask)
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):  # Python ints: JSON counts
         onset = loop_onset(doc.input_ids[s:e])
         if onset is None:
             continue
