@@ -34,7 +34,9 @@ report_env | tee "$OUT/env.txt"
 echo "== train"
 steps=()
 [ -n "${STEPS:-}" ] && steps=("training.max_steps=$STEPS")
-if [ -e "$RUN/LATEST" ]; then
+if [ -d "$RUN/drafter" ]; then
+  echo "trained: $RUN/drafter"
+elif [ -e "$RUN/checkpoints/LATEST" ]; then
   $DFLASH train --resume "$RUN" 2>&1 | tee -a "$OUT/train.log"
 else
   $DFLASH train --recipe smollm2-135m "data.train=$DATA" "run.output_dir=$RUN" "${steps[@]}" \
