@@ -43,8 +43,8 @@ def ends_in_a_loop(answer: str) -> bool:
 
 
 def regen_counts(paths: list[Path]) -> dict[str, Any]:
-    """Assistant turns, answers stopped by length, those ending in a loop and completion
-    tokens, per source prefix."""
+    """Assistant turns, answers stopped by length or by the loop stop, those ending in a loop
+    and completion tokens, per source prefix."""
     per: dict[str, Counter] = defaultdict(Counter)
     for path in paths:
         for rec in _lines(path):
@@ -60,8 +60,10 @@ def regen_counts(paths: list[Path]) -> dict[str, Any]:
             answers = [
                 m.get("content", "") for m in rec["messages"] if m.get("role") == "assistant"
             ]
+            per[src]["stopped_by_loop_stop"] += sum(r == "loop" for r in reasons)
             for text, reason, n in zip(answers, reasons, gen.get("completion_tokens", [])):
-                if reason == "length" and ends_in_a_loop(str(text)):
+                # an answer the loop stop ended (`--stop-loops`) is a loop by construction
+                if reason == "loop" or (reason == "length" and ends_in_a_loop(str(text))):
                     per[src]["stopped_in_a_loop"] += 1
                     per[src]["stopped_in_a_loop_tokens"] += n
     return {k: dict(v) for k, v in sorted(per.items())}

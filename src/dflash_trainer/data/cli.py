@@ -93,6 +93,12 @@ def _add_regenerate(sub: Any) -> None:
         help="stop after SECONDS of generation, keeping every answered turn (a rerun resumes)",
     )
     r.add_argument(
+        "--stop-loops",
+        action="store_true",
+        help="end an answer that repeats itself once it holds a loop tail (finish reason "
+        "'loop'; docs/data.md, Loop tails): the loop's later copies are not generated",
+    )
+    r.add_argument(
         "--max-conversation-tokens",
         type=int,
         help="end a conversation at the last turn whose render fits N tokens (default: no limit)",
@@ -226,6 +232,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         engine=_engine_options(args),
         time_limit=args.time_limit,
+        stop_loops=args.stop_loops,
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "

@@ -57,6 +57,7 @@ from dflash_trainer.data.engine_state import (
     kv_bytes_per_position,
 )
 from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
+from dflash_trainer.data.loop_tails import loops_now
 from dflash_trainer.data.sampling import item_key, pick_tokens
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
@@ -415,7 +416,11 @@ class StaticBatchEngine:
             self.stats.host_s += time.perf_counter() - t1
 
     def _done(self, toks: list[int]) -> bool:
-        return toks[-1] in self.stop_set or len(toks) >= self.settings.max_new_tokens
+        return (
+            toks[-1] in self.stop_set
+            or len(toks) >= self.settings.max_new_tokens
+            or (self.settings.stop_loops and loops_now(toks))
+        )
 
     def _retire(self, slot: int, i: int, g: Rows, work: Work) -> None:
         """Prompt i (in row `slot`) is answered. Its chain's next prompt, when it runs in this

@@ -27,6 +27,7 @@ of a loop is new text and stays supervised; the tail starts at its second cycle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,10 +70,13 @@ def _runs(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def loop_onset(tokens: np.ndarray) -> int | None:
     """Where a span's loop tail starts (its second cycle), or None if it has none."""
-    n = len(tokens)
-    if n < MIN_LOOP + NGRAM:
+    if len(tokens) < MIN_LOOP + NGRAM:
         return None
-    rep = repeats(tokens)
+    return _onset(repeats(tokens))
+
+
+def _onset(rep: np.ndarray) -> int | None:
+    """loop_onset from a span's repeat flags."""
     # Runs of non-repeats: the tail starts after the last run longer than MAX_GAP.
     starts, ends = _runs(~rep)
     long_runs = ends[(ends - starts) > MAX_GAP]
@@ -85,6 +89,42 @@ def loop_onset(tokens: np.ndarray) -> int | None:
     if len(tail) < MIN_LOOP or tail.mean() < MIN_REPEATED:
         return None
     return onset
+
+
+STOP_EVERY = 64
+"""Regeneration's loop stop (`dflash data regenerate --stop-loops`) looks for a loop tail each
+time an answer reaches a multiple of this many tokens. At fixed lengths, so that every backend
+cuts an answer at the same place: the engine while it decodes, the others afterwards; and not
+at every token, because a look costs tens of microseconds of host time per row."""
+_FIRST_STOP = -(-(MIN_LOOP + NGRAM) // STOP_EVERY) * STOP_EVERY
+
+
+def loop_stop(tokens: Sequence[int]) -> int | None:
+    """The length regeneration's loop stop cuts an answer to: the first multiple of STOP_EVERY
+    at which the answer so far has a loop tail; None if there is none.
+
+    The answer keeps its first cycle and at least MIN_LOOP tokens of the loop, so a
+    preparation with `--loop-tails mask` finds and masks the same tail it would have found in
+    the whole looping answer; the tokens after the cut were copies of the cycle.
+    """
+    if len(tokens) < _FIRST_STOP:
+        return None
+    rep = repeats(np.asarray(tokens, dtype=np.int64))  # flags look back only: a prefix's
+    for cut in range(_FIRST_STOP, len(tokens) + 1, STOP_EVERY):  # are the whole's
+        if _onset(rep[:cut]) is not None:
+            return cut
+    return None
+
+
+def loops_now(tokens: Sequence[int]) -> bool:
+    """The engine's look while decoding: does `loop_stop` cut the answer at its current length?
+    (Earlier looks found nothing, else the answer would have stopped there.)"""
+    n = len(tokens)
+    return (
+        n % STOP_EVERY == 0
+        and n >= _FIRST_STOP
+        and loop_onset(np.asarray(tokens, dtype=np.int64)) is not None
+    )
 
 
 @dataclass

@@ -22,13 +22,20 @@ every assistant turn in it.
 
 Output: JSON Lines in the OpenAI messages format, one record per conversation:
     {"id", "messages": [...], "generation": {model, backend, temperature, top_p, max_new_tokens,
-     enable_thinking, seed, finish_reasons: ["stop"|"length", ...], completion_tokens: [...],
-     open: true when user turns were left unanswered at an interrupt}}
+     enable_thinking, seed, stop_loops, finish_reasons: ["stop"|"length"|"loop", ...],
+     completion_tokens: [...], open: true when user turns were left unanswered at an interrupt}}
 Each record is written with one write, flushed and fsynced. Resume: a restarted job reads the
 output, drops a partially written last line (a crash mid-write), refuses settings that differ
 from those recorded (a file must not mix two distributions), and skips the ids already done.
 Sampling is seeded once per job (HF) or per call and prompt index (static engine), so a
 resumed job is valid but not bit-identical to an uninterrupted one.
+
+Loops (`stop_loops`): a small target's greedy answer often falls into a cycle and repeats it
+to `max_new_tokens`; with loop tails masked at preparation (loop_tails.py) those tokens teach
+nothing, and on SmolLM2 they are two fifths of all completion tokens. The loop stop ends such
+an answer once it holds a loop tail (finish reason "loop"), checked every STOP_EVERY tokens so
+that every backend cuts at the same length; the cycle's first pass and the first MIN_LOOP
+tokens of the loop stay in the answer.
 
 Time limit and interrupt: at `time_limit` (checked at every answer) or on Ctrl-C, every
 conversation still open is written with the turns it has answered (`cut_at_interrupt`,
@@ -47,6 +54,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash_trainer.data.hf_generate import HFBatchGenerator
+from dflash_trainer.data.loop_tails import loop_stop
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.regen_output import (
     Writer,
@@ -77,13 +85,25 @@ def stop_ids(tokenizer: Any, chat: ChatTemplate, model: Any = None) -> list[int]
     return sorted(i for i in ids if i is not None)
 
 
-def cut_at_stop(new_ids: list[int], stops: Sequence[int]) -> tuple[list[int], str, int]:
-    """(content ids, finish reason, tokens generated including the stop token)."""
+def cut_at_stop(
+    new_ids: list[int], stops: Sequence[int], stop_loops: bool = False
+) -> tuple[list[int], str, int]:
+    """(content ids, finish reason, tokens generated including the stop token).
+
+    With `stop_loops` an answer that loops is cut where the loop stop would have ended it
+    (finish reason "loop"): the same place whether the backend stopped it there (the engine)
+    or generated on (HF, vLLM).
+    """
     stop_set = set(stops)
-    for i, t in enumerate(new_ids):
-        if t in stop_set:
-            return new_ids[:i], "stop", i + 1
-    return new_ids, "length", len(new_ids)
+    end = next((i for i, t in enumerate(new_ids) if t in stop_set), None)
+    content = new_ids if end is None else new_ids[:end]
+    if stop_loops:
+        cut = loop_stop(content)
+        if cut is not None:
+            return content[:cut], "loop", cut
+    if end is None:
+        return new_ids, "length", len(new_ids)
+    return content, "stop", end + 1
 
 
 @dataclass
@@ -180,6 +200,7 @@ def regenerate(
     progress: bool = True,
     engine: dict[str, Any] | None = None,
     time_limit: float | None = None,
+    stop_loops: bool = False,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
@@ -188,13 +209,14 @@ def regenerate(
     discarded); with `max_turns` only the first turns are. A prompt over `max_prompt_tokens`
     ends the conversation there (its first prompt: the record is skipped); so does a turn
     that takes the rendered conversation over `max_conversation_tokens` (module docstring).
+    `stop_loops` ends an answer that loops (data/loop_tails.loop_stop).
     """
     import torch
 
     out = Path(out_path)
     name = model_name or str(getattr(getattr(model, "config", None), "name_or_path", "") or "")
     settings = GenerationSettings(
-        name, temperature, top_p, max_new_tokens, enable_thinking, backend, seed
+        name, temperature, top_p, max_new_tokens, enable_thinking, backend, seed, stop_loops
     )
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     chat = ChatTemplate.probe(tokenizer, **kwargs)
@@ -218,7 +240,7 @@ def regenerate(
     job = _Job(chat, generator, stops, max_prompt_tokens, max_turns, writer, report, bar, 0.0)
     job.resume = resume
     job.max_conversation_tokens = max_conversation_tokens
-    job.seed = seed
+    job.seed, job.stop_loops = seed, stop_loops
     job.t0 = job.last_line = time.perf_counter()
     job.deadline = job.t0 + time_limit if time_limit is not None else None
     # An engine that runs conversations as chains takes the whole job as one window: every
@@ -252,6 +274,7 @@ class _Job:
     t0: float
     max_conversation_tokens: int | None = None
     seed: int = 0
+    stop_loops: bool = False
     tokens: SegmentTokenizer | None = None
     """Piece-cached tokenization of the growing renders (data/segment_tokens.py)."""
     deadline: float | None = None
@@ -419,7 +442,7 @@ class _Job:
         return False
 
     def _answer(self, s: _State, new_ids: list[int]) -> None:
-        content_ids, reason, n = cut_at_stop(new_ids, self.stops)
+        content_ids, reason, n = cut_at_stop(new_ids, self.stops, self.stop_loops)
         text = self.chat.tokenizer.decode(content_ids, skip_special_tokens=True)
         s.messages += [
             {"role": "user", "content": s.users.pop(0)},

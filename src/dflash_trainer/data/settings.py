@@ -19,3 +19,5 @@ class GenerationSettings:
     """Passed to the chat template (Qwen3-style); None leaves the template's default."""
     backend: str = "hf"
     seed: int = 0
+    stop_loops: bool = False
+    """End an answer that loops (data/loop_tails.loop_stop; finish reason "loop")."""
