@@ -13,10 +13,11 @@
 #   unset to plot the subsets only).
 # Knobs: SIZES ("4000 12000" conversations: about 10k and 30k assistant turns of the 41k-conversation
 #   SmolLM2 set), SEED (0: the shuffle behind the subsets), SAMPLES (40), SETS (gsm8k,mt-bench:
-#   the prompt sets each run and checkpoint is evaluated on), EVAL_ARGS (more `dflash eval` flags,
-#   e.g. --no-baseline when tau is all that is wanted), EXTRA (more training overrides),
-#   PREPARE_ARGS (more `dflash data prepare` flags, e.g. --loop-tails mask as the full-size run
-#   was prepared), MODEL (asset:smollm2-135m-instruct), OUT (benchmarks/out/scaling_curve).
+#   the prompt sets each run and checkpoint is evaluated on), MAX_NEW_TOKENS (256), EVAL_ARGS
+#   (more `dflash eval` flags, e.g. --no-baseline when tau is all that is wanted), EXTRA (more
+#   training overrides), PREPARE_ARGS (more `dflash data prepare` flags, e.g. --loop-tails mask
+#   as the full-size run was prepared), MODEL (asset:smollm2-135m-instruct),
+#   OUT (benchmarks/out/scaling_curve).
 # Outputs: $OUT/scaling/scaling.{json,md,png}, $OUT/samples.json (records and assistant turns per
 #   subset), $OUT/r<N>/ (runs with t0/ eval), $OUT/prep_<N>/, $HEADLINE/steps/<checkpoint>/
 # Runtime: the subsets' training (tokens x epochs / packed tokens per second) plus about
@@ -30,7 +31,7 @@ mkdir -p "$OUT"
 SETS="${SETS:-gsm8k,mt-bench}"
 evaluate() {  # drafter (run or checkpoint dir), report dir, log
   [ -e "$2/eval.json" ] || $DFLASH eval --drafter "$1" --prompts "$SETS" \
-    --max-samples "${SAMPLES:-40}" --max-new-tokens 256 --temperature 0 --allow-mismatch \
+    --max-samples "${SAMPLES:-40}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" --temperature 0 --allow-mismatch \
     --no-progress --out-dir "$2" ${EVAL_ARGS:-} > "$3" 2>&1
 }
 sizes=(${SIZES:-4000 12000})
