@@ -43,15 +43,14 @@ def _final_step(run: Path) -> int | None:
 
 def _step_points(step_evals: Path | None, full: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Served tau of each kept checkpoint of the largest run, then of its final drafter."""
+    final = _final_step(Path(full["run"])) if full is not None and full["tau"] else None
     rows = []
     for d in sorted(step_evals.glob("step_*")) if step_evals else []:
-        tau = _eval(d)
-        if tau:
-            rows.append({"step": int(d.name.rpartition("_")[2]), "tau": tau})
-    if full is not None and full["tau"]:
-        step = _final_step(Path(full["run"]))
-        if step is not None:
-            rows.append({"step": step, "tau": full["tau"]})
+        tau, step = _eval(d), int(d.name.rpartition("_")[2])
+        if tau and step != final:  # the final checkpoint's point is the run's own report
+            rows.append({"step": step, "tau": tau})
+    if final is not None and full is not None:
+        rows.append({"step": final, "tau": full["tau"]})
     return sorted(rows, key=lambda r: r["step"])
 
 
