@@ -10,6 +10,7 @@ from typing import Any
 
 from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
+from dflash_trainer.data.loop_tails import LOOP_TAILS
 from dflash_trainer.errors import DFlashError
 
 _THINKING = {"on": True, "off": False, "default": None}
@@ -49,7 +50,7 @@ def _add_prepare(sub: Any) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument(
         "--loop-tails",
-        choices=["keep", "mask"],
+        choices=LOOP_TAILS,
         default="keep",
         help="mask: stop supervising the repeating tail of an answer that loops (a small "
         "target's greedy answers often cycle to the length limit; docs/data.md)",

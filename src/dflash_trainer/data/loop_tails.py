@@ -27,14 +27,23 @@ of a loop is new text and stays supervised; the tail starts at its second cycle.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dflash_trainer.data.template import TemplatedDoc
 
 LOOP_TAILS = ("keep", "mask")
+
+
+def prepared_mode(settings: Mapping[str, Any]) -> str:
+    """The loop-tails mode a preparation's settings record: absent means keep (the default
+    adds no key, so directories prepared before the option keep their fingerprint)."""
+    return str(settings.get("loop_tails", "keep"))
+
+
 NGRAM = 8
 MAX_GAP = 12
 MIN_LOOP = 128

@@ -29,7 +29,7 @@ from dflash_trainer.data.formats import Skip, read_records
 from dflash_trainer.data.guard import FILE_ERRORS, file_error
 from dflash_trainer.data.jsonio import HFDataset, input_files
 from dflash_trainer.data.loading import load_tokenizer, resolve_source
-from dflash_trainer.data.loop_tails import LOOP_TAILS, LoopTally, mask_loop_tails
+from dflash_trainer.data.loop_tails import LOOP_TAILS, LoopTally, mask_loop_tails, prepared_mode
 from dflash_trainer.data.mixture import SourceTally, read_sidecar
 from dflash_trainer.data.records import Conversation, ReadReport, Record, TokenizedRow
 from dflash_trainer.data.shards import (
@@ -225,7 +225,7 @@ def _write_documents(
     settings = inp.settings
     report = ReadReport(source=str(inp.source))
     tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
-    mask_loops = settings.get("loop_tails") == "mask"
+    mask_loops = prepared_mode(settings) == "mask"
     writers = {s: ShardWriter(root, s, settings["shard_tokens"]) for s in SPLITS}
     records = read_records(
         inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
@@ -269,7 +269,7 @@ def _manifest(
         "settings": inp.settings,
         "read_report": report.to_dict(),
         "sources": tally.to_dict(),
-        "loop_tails": loops.to_dict(inp.settings.get("loop_tails", "keep")),
+        "loop_tails": loops.to_dict(prepared_mode(inp.settings)),
         "source_mixture": read_sidecar(resolved) if isinstance(resolved, Path) else None,
         "splits": {
             s: {

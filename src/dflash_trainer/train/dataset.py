@@ -38,6 +38,7 @@ def is_prepared(path: str | Path) -> bool:
 
 
 def load_train_data(cfg: Config, run_dir: Path, is_main: bool = True) -> TrainData:
+    from dflash_trainer.data.loop_tails import prepared_mode
     from dflash_trainer.data.shards import PreparedDataset
 
     src = cfg.data.train
@@ -57,7 +58,7 @@ def load_train_data(cfg: Config, run_dir: Path, is_main: bool = True) -> TrainDa
     train = PreparedDataset(root, "train")
     if len(train) == 0:
         raise DFlashError(f"{root}: the train split has no documents")
-    prepared_with = train.manifest.get("settings", {}).get("loop_tails", "keep")
+    prepared_with = prepared_mode(train.manifest.get("settings", {}))
     if is_main and prepared_with != cfg.data.loop_tails:
         # A prepared directory is used as it is: say so rather than let the config mislead.
         print(
