@@ -16,6 +16,9 @@ stage by stage, with CUDA events, for the breakdown:
 
     # H200 (< 4 min), real token ids from a prepared dataset if given:
     python benchmarks/train_speed.py --out train_speed.json [--data PREPARED_DIR]
+    # a third leg: the fast step with the target's attention through FlexAttention
+    # (training.target_attention=flex), against the dense-mask fast step of the same run:
+    python benchmarks/train_speed.py --out train_speed.json --data PREPARED_DIR --flex-target
     # CPU smoke test (a tiny random llama):
     python benchmarks/train_speed.py --device cpu --tiny --out /tmp/train_speed.json
 """
@@ -117,10 +120,15 @@ def tiny_config(tmp: Path, device: str) -> dict[str, Any]:
 
 
 def make_config(
-    args: argparse.Namespace, base: dict[str, Any] | None, fast: bool, run: Path
+    args: argparse.Namespace,
+    base: dict[str, Any] | None,
+    fast: bool,
+    run: Path,
+    extra: tuple[str, ...] = (),
 ) -> Config:
     budget = args.fast_budget if fast else args.base_budget
     over = [
+        *extra,
         f"run.output_dir={run}",
         f"training.device={args.device}",
         f"training.step_path={'fast' if fast else 'standard'}",
@@ -304,8 +312,11 @@ def hardware(dev: torch.device) -> dict[str, Any]:
     return out
 
 
-def run_path(args, base, data, fast: bool, tmp: Path) -> dict[str, Any]:
-    cfg = make_config(args, base, fast, tmp / ("fast" if fast else "baseline"))
+def run_path(
+    args, base, data, fast: bool, tmp: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    name = ("fast" if fast else "baseline") + "".join(f"_{i}" for i in range(len(extra)))
+    cfg = make_config(args, base, fast, tmp / name, extra)
     tr = Trainer(cfg, log_to_console=args.verbose, data=data)
     res = measure(tr, args, fast)
     res["step_path"] = "fast" if tr.fast is not None else "standard"
@@ -338,6 +349,11 @@ def main() -> None:
     ap.add_argument("--max-warmup", type=int, default=25)
     ap.add_argument("--min-steps", type=int, default=5)
     ap.add_argument("--measure-s", type=float, default=15.0)
+    ap.add_argument(
+        "--flex-target",
+        action="store_true",
+        help="also the fast step with training.target_attention=flex (a third leg)",
+    )
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -373,6 +389,16 @@ def main() -> None:
         },
         "hardware": hardware(dev),
     }
+    if args.flex_target:
+        flex = run_path(args, base, data, True, tmp, ("training.target_attention=flex",))
+        out["fast_flex_target_tokens_per_s"] = flex["tokens_per_s"]
+        out["breakdown_fast_flex_target_ms"] = flex["breakdown_ms"]
+        out["peak_memory_gb_fast_flex_target"] = flex["peak_memory_gb"]
+        out["flex_target_over_fast"] = flex["tokens_per_s"] / fast["tokens_per_s"]
+        out["settings"]["fast_flex_target"] = {
+            k: v for k, v in flex.items() if k not in ("breakdown_ms",)
+        }
+        out["settings"]["wall_s"] = time.perf_counter() - t0
     tmp_out = Path(args.out).with_suffix(".tmp")
     tmp_out.write_text(json.dumps(out, indent=2, default=str))
     tmp_out.replace(args.out)

@@ -13,7 +13,7 @@
 # Inputs: the SmolLM2 asset package; for step 1 the corpora of docs/data-sources.md; the
 #   eval sets of docs/assets.md (decontamination).
 # Knobs: MODEL (asset:smollm2-135m-instruct), PROMPTS, SYNTH_N (20000), MAX_NEW_TOKENS (512),
-#   MAX_CONVERSATION_TOKENS (4096), REGEN_SECONDS (0 = to the end; at the limit every answered
+#   MAX_CONVERSATION_TOKENS (4096), DEVICE (cuda), REGEN_SECONDS (0 = to the end; at the limit every answered
 #   turn is kept and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale),
 #   ENGINE_ARGS (engine settings of both synthesis and regeneration: "--batch-size 1024
 #   --compile-decode", the fastest of benchmarks/gpu/regenerate_speed.sh), REGEN_ARGS (more
@@ -29,6 +29,7 @@ source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/data_scale}"
 MODEL="${MODEL:-asset:smollm2-135m-instruct}"
 SEED="${SEED:-0}"
+DEVICE="${DEVICE:-cuda}"
 ENGINE_ARGS="${ENGINE_ARGS:---batch-size 1024 --compile-decode}"
 mkdir -p "$OUT"
 report_env | tee "$OUT/env.txt"
@@ -47,7 +48,7 @@ fi
 
 echo "== synthesize ${SYNTH_N:-20000} prompts"
 $DFLASH data synthesize --model "$MODEL" --n "${SYNTH_N:-20000}" --topics math,code,chat,writing \
-  --seed "$SEED" --device cuda --no-progress --out "$OUT/synth_raw.jsonl" $ENGINE_ARGS 2>&1 | tee "$OUT/synth.log"
+  --seed "$SEED" --device "$DEVICE" --no-progress --out "$OUT/synth_raw.jsonl" $ENGINE_ARGS 2>&1 | tee "$OUT/synth.log"
 printf 'sources:\n  - name: synth\n    path: %s\n    messages: messages\n' "$OUT/synth_raw.jsonl" \
   > "$OUT/synth_source.yaml"
 $DFLASH data prompts --sources "$OUT/synth_source.yaml" --seed "$SEED" --out "$OUT/synth.jsonl" \
@@ -61,7 +62,7 @@ limit=()
 $DFLASH data regenerate --input "$OUT/all_prompts.jsonl" --model "$MODEL" \
   --out "$OUT/regen.jsonl" --max-new-tokens "${MAX_NEW_TOKENS:-512}" \
   --max-conversation-tokens "${MAX_CONVERSATION_TOKENS:-4096}" --seed "$SEED" \
-  --device cuda --no-progress $ENGINE_ARGS ${REGEN_ARGS:-} "${limit[@]}" 2>&1 | tee "$OUT/regen.log"
+  --device "$DEVICE" --no-progress $ENGINE_ARGS ${REGEN_ARGS:-} "${limit[@]}" 2>&1 | tee "$OUT/regen.log"
 regen_s=$(($(date +%s) - start))
 
 echo "== prepare"

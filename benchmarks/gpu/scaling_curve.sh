@@ -11,12 +11,14 @@
 # Inputs: REGEN (required): `dflash data regenerate` output; HEADLINE: benchmarks/gpu/headline.sh's
 #   OUT (its run/ and t0/ are the full-size point, its run's checkpoints the steps curve; leave
 #   unset to plot the subsets only).
-# Knobs: SIZES ("4000 12000" conversations: about 10k and 30k assistant turns of the 41k-conversation
-#   SmolLM2 set), SEED (0: the shuffle behind the subsets), SAMPLES (40), SETS (gsm8k,mt-bench:
-#   the prompt sets each run and checkpoint is evaluated on), MAX_NEW_TOKENS (256), EVAL_ARGS
-#   (more `dflash eval` flags, e.g. --no-baseline when tau is all that is wanted), EXTRA (more
-#   training overrides), PREPARE_ARGS (more `dflash data prepare` flags, e.g. --loop-tails mask
-#   as the full-size run was prepared), MODEL (asset:smollm2-135m-instruct),
+# Knobs: SIZES ("4000 12000" conversations: about 10k and 30k assistant turns of the
+#   41k-conversation SmolLM2 set; "" for none: the full run's checkpoints only), SEED (0: the
+#   shuffle behind the subsets), SAMPLES (40), SETS (gsm8k,mt-bench: the prompt sets each run
+#   and checkpoint is evaluated on), MAX_NEW_TOKENS (256), EVAL_ARGS (more `dflash eval` flags,
+#   e.g. --no-baseline when tau is all that is wanted), EXTRA (more training overrides),
+#   PREPARE_ARGS (more `dflash data prepare` flags, e.g. --loop-tails mask as the full-size run
+#   was prepared), GOALS ("gsm8k=4.0 mt-bench=3.0": the sizes the fitted curves predict for
+#   these taus), MODEL (asset:smollm2-135m-instruct),
 #   OUT (benchmarks/out/scaling_curve).
 # Outputs: $OUT/scaling/scaling.{json,md,png}, $OUT/samples.json (records and assistant turns per
 #   subset), $OUT/r<N>/ (runs with t0/ eval), $OUT/prep_<N>/, $HEADLINE/steps/<checkpoint>/
@@ -34,9 +36,11 @@ evaluate() {  # drafter (run or checkpoint dir), report dir, log
     --max-samples "${SAMPLES:-40}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" --temperature 0 --allow-mismatch \
     --no-progress --out-dir "$2" ${EVAL_ARGS:-} > "$3" 2>&1
 }
-sizes=(${SIZES:-4000 12000})
-[ -e "$OUT/samples.json" ] || "$PY" benchmarks/sample_records.py --input "$REGEN" \
-  --sizes "${sizes[@]}" --seed "${SEED:-0}" --out "$OUT"
+sizes=(${SIZES-4000 12000})  # SIZES="" for none: the full run's checkpoints only
+if [ ${#sizes[@]} -gt 0 ] && [ ! -e "$OUT/samples.json" ]; then
+  "$PY" benchmarks/sample_records.py --input "$REGEN" --sizes "${sizes[@]}" \
+    --seed "${SEED:-0}" --out "$OUT"
+fi
 runs=()
 for n in "${sizes[@]}"; do
   prep="$OUT/prep_$n" run="$OUT/r$n"
@@ -66,5 +70,10 @@ if [ -n "${HEADLINE:-}" ]; then
   done
   steps=(--step-evals "$HEADLINE/steps")
 fi
-"$PY" benchmarks/scaling_curve.py "${runs[@]}" "${steps[@]}" --samples "$OUT/samples.json" \
+samples=()
+[ -e "$OUT/samples.json" ] && samples=(--samples "$OUT/samples.json")
+[ ${#runs[@]} -gt 0 ] || exit 0  # nothing trained yet
+goals=()
+for g in ${GOALS-gsm8k=4.0 mt-bench=3.0}; do goals+=(--goal "$g"); done
+"$PY" benchmarks/scaling_curve.py "${runs[@]}" "${steps[@]}" "${samples[@]}" "${goals[@]}" \
   --out "$OUT/scaling"

@@ -267,6 +267,11 @@ class TrainingConfig:
     standard: shapes follow the data; auto: fast for small full-attention targets on one GPU."""
     target_chunk_tokens: int = setting(16384, lo=256, hi=MAX_TOKENS, why=_TOKENS_WHY)
     """Fast step: rows x length of one target forward (one CUDA graph per row-length bucket)."""
+    target_attention: Literal["dense", "flex"] = "dense"
+    """Fast step: the target's attention over rows that several documents share: dense (a
+    block-diagonal mask, L x L pairs a row) or flex (FlexAttention over only the key blocks
+    each document reaches, compiled; on CPU an unfused reference path, for tests;
+    train/fast_target.py)."""
 
     def __post_init__(self) -> None:
         check_section(self, "training")

@@ -30,7 +30,12 @@ from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.core.packing import Pack, pack_documents
 from dflash_trainer.train.batching import epoch_steps
-from dflash_trainer.train.fast_layout import fast_shapes, layout_cost, planned_fast
+from dflash_trainer.train.fast_layout import (
+    fast_shapes,
+    layout_cost,
+    planned_fast,
+    whole_pack_cost,
+)
 from dflash_trainer.train.step import StepSettings, _micro_batches, anchor_pad, settings_from_config
 
 MAX_REPLAY_DOCS = 200_000
@@ -206,7 +211,10 @@ def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) 
         docs.append(len(ls))
         real.append(sum(ls))
         if fast_rows is not None:
-            cost = layout_cost(ls, fast_rows)
+            if cfg.training.target_attention == "flex":
+                cost = whole_pack_cost(ls, fast_rows.ctx_len)
+            else:
+                cost = layout_cost(ls, fast_rows)
             padded.append(cost[0])
             attn.append(cost[1])
             micro.append(cost[2])

@@ -34,7 +34,7 @@ from dflash_trainer.core.anchors import (
 )
 from dflash_trainer.core.loss import decay_slot_weights
 from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
-from dflash_trainer.core.packing import pack_documents
+from dflash_trainer.core.packing import Pack, pack_documents
 from dflash_trainer.train.step import StepSettings, anchor_pad
 
 AUTO_MAX_TARGET_PARAMS = 2e9
@@ -211,6 +211,15 @@ class HostStep:
         return self
 
 
+def pack_chunk(pack: Pack) -> TargetChunk:
+    """The whole pack as one [1, T] target input (flex target attention: no rows needed)."""
+    seg = pack.document_ids_T
+    dst = torch.where(seg >= 0, torch.arange(seg.numel()), seg.numel())
+    return TargetChunk(
+        pack.input_ids_T[None], pack.position_ids_T[None], seg[None].clone(), dst[None]
+    )
+
+
 def prepare_host(
     index: int,
     docs: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -219,8 +228,10 @@ def prepare_host(
     shapes: FastShapes,
     windows: dict[str, int | None],
     generator: torch.Generator,
+    whole_pack: bool = False,
 ) -> HostStep:
-    """The host half of micro-step `index` (`windows`: layer kind -> sliding window)."""
+    """The host half of micro-step `index` (`windows`: layer kind -> sliding window); with
+    `whole_pack` the target runs the pack as one sequence (`pack_chunk`), else in rows."""
     ids = [d[0] for d in docs]
     pack = pack_documents(ids, [d[1] for d in docs], pad_to=shapes.ctx_len)
     multiple = FLEX_BLOCK // math.gcd(FLEX_BLOCK, st.block_size)
@@ -235,12 +246,16 @@ def prepare_host(
     unit_weight = None
     if st.weighting == "decay":
         unit_weight = float(decay_slot_weights(valid, st.gamma).sum())
-    rows = layout_rows([int(x.numel()) for x in ids], shapes)
+    if whole_pack:
+        chunks = [pack_chunk(pack)]
+    else:
+        rows = layout_rows([int(x.numel()) for x in ids], shapes)
+        chunks = build_chunks(rows, ids, pack.doc_starts_D.tolist(), shapes)
     return HostStep(
         index=index,
         tokens=pack.num_tokens,
         truncated=truncated,
-        chunks=build_chunks(rows, ids, pack.doc_starts_D.tolist(), shapes),
+        chunks=chunks,
         ctx_pos_T=pack.position_ids_T,
         block_ids_NB=block_input_ids(anchors, pack.input_ids_T, st.mask_token_id),
         block_pos_NB=block_position_ids(anchors),
@@ -266,6 +281,23 @@ def layout_cost(lengths: Sequence[int], shapes: FastShapes) -> tuple[int, int, i
             chunks += 1
             row_len.append(length)
     return padded, pairs, chunks, float(sum(row_len) / max(1, len(row_len)))
+
+
+def whole_pack_cost(lengths: Sequence[int], ctx_len: int) -> tuple[int, int, int, float]:
+    """`layout_cost` for the flex target (`pack_chunk`): the pack is one sequence and each
+    128-token query block attends to the key blocks from its first document's start to
+    itself, whole tiles (what a block-sparse kernel computes)."""
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    blocks = ctx_len // FLEX_BLOCK
+    first = list(range(blocks))  # padding queries see themselves: their own block
+    for start, n in zip(starts, lengths):
+        for qb in range(start // FLEX_BLOCK, min(blocks, -(-(start + n) // FLEX_BLOCK))):
+            first[qb] = min(first[qb], start // FLEX_BLOCK)
+    tiles = sum(qb - f + 1 for qb, f in enumerate(first))
+    return ctx_len, tiles * FLEX_BLOCK * FLEX_BLOCK, 1, float(ctx_len)
 
 
 def planned_fast(cfg: Config, target_params: float) -> bool:

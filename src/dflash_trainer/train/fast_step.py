@@ -143,7 +143,8 @@ class FastStep:
         self.dev = trainer.world.drafter_device
         self.cuda = self.dev.type == "cuda"
         need_final = self.st.labels == "target"
-        self.runner = TargetRunner(trainer.target, self.shapes, need_final, graphs)
+        flex = cfg.training.target_attention == "flex"
+        self.runner = TargetRunner(trainer.target, self.shapes, need_final, graphs, flex)
         # The host half runs one micro-step ahead in one thread (CUDA only: on CPU it
         # would compete with the step for the same cores).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-host") if self.cuda else None
@@ -154,10 +155,12 @@ class FastStep:
 
     def describe(self) -> str:
         s = self.shapes
-        return (
-            f"pack {s.ctx_len} tokens, {s.anchors} anchors, target rows {list(s.row_lengths)} "
-            f"x {s.chunk_tokens} tokens a chunk, {'CUDA graphs' if self.runner.graphs else 'eager'}"
-        )
+        graphs = "CUDA graphs" if self.runner.graphs else "eager"
+        if self.runner.flex:
+            target = "the target over the whole pack, target attention flex"
+        else:
+            target = f"target rows {list(s.row_lengths)} x {s.chunk_tokens} tokens a chunk"
+        return f"pack {s.ctx_len} tokens, {s.anchors} anchors, {target}, {graphs}"
 
     # ------------------------------------------------------------------ host half
 
@@ -165,7 +168,9 @@ class FastStep:
         tr = self.tr
         docs, truncated = tr._documents(pos)
         gen = torch.Generator().manual_seed(tr._stream_seed(index, 0))
-        hs = prepare_host(index, docs, truncated, self.st, self.shapes, self.windows, gen)
+        hs = prepare_host(
+            index, docs, truncated, self.st, self.shapes, self.windows, gen, self.runner.flex
+        )
         return hs.pin() if self.cuda else hs
 
     def host_step(self, index: int, pos: Position) -> HostStep:

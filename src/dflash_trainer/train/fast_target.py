@@ -2,17 +2,93 @@
 
 Shape legend: R = rows of a chunk, L = a row's length, T = pack length, F = tapped
 feature width (n_tapped x H), H = target hidden.
+
+Attention over a chunk (`training.target_attention`), the same rule either way: a token sees
+the tokens of its own document up to itself; padding sees only itself.
+- dense: an [R, 1, L, L] additive mask through the target's own SDPA attention. Several
+  documents share a row, so every row pays L x L pairs whatever its documents' lengths.
+- flex: the whole pack as one sequence of T tokens (`fast_layout.pack_chunk`: one shape,
+  one graph, one compile), attended by FlexAttention through a block mask that lists, for
+  each 128-token query block, only the key blocks its documents reach. On the SmolLM2 set's
+  packs that is about a third of the dense layout's pairs (`fast_layout.layout_cost`).
+  Compiled on a GPU. On CPU FlexAttention runs its unfused reference path, which holds a
+  T x T score matrix per head: small packs only (tests), refused beyond `CPU_FLEX_BYTES`.
+(`chunk_intervals` also reads a chunk of several rows, laid end to end: documents never
+cross a row, so the rule is the same.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from dflash_trainer.core.masks import Intervals, build_block_mask
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.fast_layout import FastShapes
+
+FLEX_ROWS = "dflash_flex_rows"
+"""The attention implementation name the flex target forward registers with transformers."""
+CPU_FLEX_BYTES = 2 * 2**30
+"""The most score memory (fp32, all heads) the CPU reference path may hold for one layer."""
+_compiled: dict[str, Any] = {}
+
+
+def chunk_intervals(seg_RL: torch.Tensor) -> Intervals:
+    """The chunk as one sequence: query q sees [start of its document, q]; padding sees q."""
+    length = seg_RL.shape[1]
+    seg = seg_RL.reshape(-1)
+    idx = torch.arange(seg.numel(), device=seg.device)
+    start = (seg != torch.roll(seg, 1)) | (idx % length == 0) | (seg < 0)
+    lo = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), 0).values
+    none = torch.zeros_like(idx, dtype=torch.int32)
+    return Intervals(lo.int(), (idx + 1).int(), none, none, seg.numel())
+
+
+def flex_rows_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """An HF attention function: FlexAttention under the chunk's block mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if query.device.type == "cuda":  # uncompiled FlexAttention materialises the scores
+        fn = _compiled.setdefault("cuda", torch.compile(flex_attention, dynamic=False))
+    out = fn(
+        query,
+        key,
+        value,
+        block_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    assert isinstance(out, torch.Tensor)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def attention_implementation(model: Any, name: str) -> Iterator[None]:
+    """While open, `model`'s attention layers call the registered function `name`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX_ROWS, flex_rows_attention)
+    cfg = model.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
 
 
 class _Replay:
@@ -47,12 +123,26 @@ class TargetRunner:
     """
 
     def __init__(
-        self, target: FrozenTarget, shapes: FastShapes, need_final: bool, graphs: bool
+        self,
+        target: FrozenTarget,
+        shapes: FastShapes,
+        need_final: bool,
+        graphs: bool,
+        flex: bool = False,
     ) -> None:
         self.target = target
         self.shapes = shapes
         self.graphs = graphs
+        self.flex = flex
         tc = target.model.config.get_text_config()
+        if flex and target.device.type != "cuda":
+            scores = 4 * tc.num_attention_heads * shapes.ctx_len**2
+            if scores > CPU_FLEX_BYTES:
+                raise DFlashError(
+                    f"training.target_attention=flex on {target.device.type}: FlexAttention's "
+                    f"unfused path would hold {scores / 2**30:.1f} GB of scores per layer for a "
+                    f"{shapes.ctx_len}-token pack; use training.target_attention=dense off the GPU"
+                )
         dev, dtype = target.device, target.model.dtype
         t = shapes.ctx_len + 1
         self.feat = torch.zeros(t, tc.hidden_size * len(target.layer_ids), dtype=dtype, device=dev)
@@ -80,9 +170,18 @@ class TargetRunner:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, dst: torch.Tensor):
         tg = self.target
         with tg.taps() as cap:
-            out = tg.decoder(
-                input_ids=ids, attention_mask=self._mask(seg), position_ids=pos, use_cache=False
-            )
+            if self.flex:
+                with attention_implementation(tg.model, FLEX_ROWS):
+                    out = tg.decoder(
+                        input_ids=ids.reshape(1, -1),
+                        attention_mask=build_block_mask(chunk_intervals(seg)),
+                        position_ids=pos.reshape(1, -1),
+                        use_cache=False,
+                    )
+            else:
+                out = tg.decoder(
+                    input_ids=ids, attention_mask=self._mask(seg), position_ids=pos, use_cache=False
+                )
             feats = tg.features_of(cap)
         flat = dst.reshape(-1)
         self.feat.index_copy_(0, flat, feats.reshape(flat.numel(), -1))
