@@ -3,6 +3,9 @@
 # each one's results packed as soon as it ends, so that a machine lost midway still leaves
 # what was finished (`$RET`, polled while it runs):
 #   gpu_tests the GPU-marked tests of the fast step and the regeneration engine
+#   published the drafter already published at $PUBLISH, evaluated as the headline is (t=0 and
+#             t=1 one after the other, each against the target alone; eager HF decoding on
+#             GSM8K) with its headline JSON: needs no data and no training
 #   speed     regeneration speed, engine variants against HF `generate` (gpu/regenerate_speed.sh)
 #   data      the data-at-scale set with the loop stop: synthesis, every turn regenerated,
 #             prepared with loop tails masked (gpu/data_scale.sh, REGEN_ARGS=--stop-loops)
@@ -34,10 +37,10 @@
 #   $RET holds at most 8 files: results.tgz (every JSON, Markdown, plot and log, no data or
 #   weights), drafter.tgz.part-* (the trained drafter in 15 MB parts: `cat drafter.tgz.part-*
 #   | tar xz`).
-# Runtime on one H200: gpu_tests ~2 min, speed ~5 min, data ~12 min (synthesis 2,
-#   regeneration ~9 with the loop stop, preparation 1), train_speed ~5 min, scaling ~8 min,
-#   headline training ~8 min + 3 min t=0, steps ~1 min a checkpoint, finish ~15 min (t=1 with
-#   its baseline, eager HF decoding).
+# Runtime on one H200: gpu_tests ~2 min, published ~12 min, speed ~5 min, data ~12 min
+#   (synthesis 2, regeneration ~9 with the loop stop, preparation 1), train_speed ~5 min,
+#   scaling ~8 min, headline training ~8 min + 3 min t=0, steps ~1 min a checkpoint, finish
+#   ~15 min (t=1 with its baseline, eager HF decoding).
 # Result document: benchmarks/headline_smollm2_h200_<date>.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/headline_end_to_end}"
@@ -139,6 +142,21 @@ steps() {  # the full run's checkpoints; the subsets' rows too once they are don
   if [ -e "$OUT/done_scaling" ]; then curve "${SIZES:-4000 12000}"; else curve ""; fi
 }
 
+published() {  # an export records no target name: it is given (the asset the card names)
+  local pub="${PUBLISH:-$REPO/drafters/smollm2-135m-dflash-b16}" dir="$OUT/published"
+  local target=asset:smollm2-135m-instruct
+  for t in 0 1; do
+    [ -e "$dir/t$t/eval.json" ] || DRAFTER="$pub" TARGET="$target" OUT="$dir" TEMPS=$t \
+      SAMPLES="$SAMPLES" MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" bash benchmarks/gpu/eval_drafter.sh \
+      || return 1
+  done
+  [ -e "$dir/eager/eval.json" ] || $DFLASH eval --drafter "$pub" --target "$target" --prompts gsm8k \
+    --max-samples "${EAGER_SAMPLES:-10}" --max-new-tokens "$EVAL_NEW_TOKENS" --temperature 0 \
+    --decode eager --allow-mismatch --no-progress --out-dir "$dir/eager" > "$dir/eager.log" 2>&1 \
+    && "$PY" benchmarks/headline_report.py --t0 "$dir/t0" --t1 "$dir/t1" --eager "$dir/eager" \
+      --drafter "${pub#"$REPO"/}" --out "$dir/headline_smollm2_h200.json"
+}
+
 gpu_tests() {
   "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_fast_step_gpu.py \
     tests/test_regen_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
@@ -188,7 +206,7 @@ pack_drafter() {  # the published drafter (weights, config, card) in parts under
 
 for s in ${STAGES:-data headline steps scaling finish}; do
   case $s in
-    gpu_tests | speed | data | train_speed | scaling | headline | steps | finish)
+    gpu_tests | published | speed | data | train_speed | scaling | headline | steps | finish)
       stage "$s" "$s"
       ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
