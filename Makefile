@@ -40,7 +40,7 @@ demo: setup
 	$(BIN)/dflash eval --drafter $(RUN_DIR) --prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval
 	# What a full run delivers: the published drafter on the same prompts, once it is in the repo.
 	if [ -d $(PUBLISHED) ]; then \
-		$(BIN)/dflash eval --drafter $(PUBLISHED) --target asset:smollm2-135m-instruct \
+		$(BIN)/dflash eval --drafter $(PUBLISHED) \
 			--prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval-published; \
 	fi
 

@@ -516,3 +516,28 @@ def test_an_asset_target_is_named_by_its_hub_id_where_engines_read_it(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert hub in card and "asset:" not in card
     assert not any("neither a hub id" in p.message for p in res.report.problems)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
+def test_an_export_names_its_target_and_eval_finds_the_offline_copy(tmp_path, fmt):
+    """Exports name the target by hub id (z-lab: the card's base_model; speculators: the
+    verifier). Reading one back records that name, and `dflash eval` without --target loads
+    it from the installed asset that packages the same model."""
+    from dflash_trainer.assets import installed_asset_for
+    from dflash_trainer.eval.loading import _target_config
+
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    meta = {"target": {"name_or_path": "asset:smollm2-135m-instruct"}}
+    run, _ = write_run(tmp_path, tiny_spec(), meta=meta)
+    export_drafter(run, tmp_path / "out", fmt)
+    _, _, imported = import_drafter(tmp_path / "out")
+    assert imported["target"] == {"name_or_path": hub}
+    if installed_asset_for(hub) is None:
+        pytest.skip("the SmolLM2 asset package is not installed")
+    assert installed_asset_for(hub) == "asset:smollm2-135m-instruct"
+    assert _target_config(imported, None, None, "cpu").name_or_path == installed_asset_for(hub)
+    # An explicit --target wins; a hub id no asset packages stays as recorded.
+    assert _target_config(imported, "org/other", None, "cpu").name_or_path == "org/other"
+    other = {"target": {"name_or_path": "org/not-an-asset"}}
+    assert installed_asset_for("org/not-an-asset") is None
+    assert _target_config(other, None, None, "cpu").name_or_path == "org/not-an-asset"

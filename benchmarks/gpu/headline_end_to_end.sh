@@ -142,15 +142,13 @@ steps() {  # the full run's checkpoints; the subsets' rows too once they are don
   if [ -e "$OUT/done_scaling" ]; then curve "${SIZES:-4000 12000}"; else curve ""; fi
 }
 
-published() {  # an export records no target name: it is given (the asset the card names)
+published() {  # the export's card names its target; eval reads it from the installed asset
   local pub="${PUBLISH:-$REPO/drafters/smollm2-135m-dflash-b16}" dir="$OUT/published"
-  local target=asset:smollm2-135m-instruct
   for t in 0 1; do
-    [ -e "$dir/t$t/eval.json" ] || DRAFTER="$pub" TARGET="$target" OUT="$dir" TEMPS=$t \
-      SAMPLES="$SAMPLES" MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" bash benchmarks/gpu/eval_drafter.sh \
-      || return 1
+    [ -e "$dir/t$t/eval.json" ] || DRAFTER="$pub" OUT="$dir" TEMPS=$t SAMPLES="$SAMPLES" \
+      MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" bash benchmarks/gpu/eval_drafter.sh || return 1
   done
-  [ -e "$dir/eager/eval.json" ] || $DFLASH eval --drafter "$pub" --target "$target" --prompts gsm8k \
+  [ -e "$dir/eager/eval.json" ] || $DFLASH eval --drafter "$pub" --prompts gsm8k \
     --max-samples "${EAGER_SAMPLES:-10}" --max-new-tokens "$EVAL_NEW_TOKENS" --temperature 0 \
     --decode eager --allow-mismatch --no-progress --out-dir "$dir/eager" > "$dir/eager.log" 2>&1 \
     && "$PY" benchmarks/headline_report.py --t0 "$dir/t0" --t1 "$dir/t1" --eager "$dir/eager" \

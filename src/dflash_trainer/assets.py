@@ -94,3 +94,16 @@ def serving_name(name: str | None) -> str | None:
         if asset is not None and asset.hub_id:
             return asset.hub_id
     return name
+
+
+def installed_asset_for(hub: str) -> str | None:
+    """`asset:<name>` of an installed model asset packaging hub repo `hub`, else None: how a
+    drafter that names its target by hub id (exports do) finds that target offline."""
+    for name, a in ASSETS.items():
+        if a.hub_id == hub:
+            try:
+                asset_path(name)
+            except AssetNotFound:
+                return None
+            return f"asset:{name}"
+    return None

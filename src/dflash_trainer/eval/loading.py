@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,24 @@ def _fingerprint(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+def _offline_copy(name: str) -> str:
+    """A recorded hub id that is not a local path, read from the installed asset that packages
+    that model when there is one (said on stderr); otherwise `name` as recorded."""
+    from dflash_trainer.assets import installed_asset_for
+
+    if Path(name).exists():
+        return name
+    asset = installed_asset_for(name)
+    if asset is None:
+        return name
+    print(
+        f"dflash eval: the drafter names its target {name}; reading it from the installed "
+        f"offline copy {asset} (--target picks another)",
+        file=sys.stderr,
+    )
+    return asset
+
+
 def _target_config(
     meta: dict[str, Any], target: str | None, dtype: str | None, device: str
 ) -> TargetConfig:
@@ -99,6 +118,7 @@ def _target_config(
                 "asset:<name> or DIR::FILE.gguf)"
             )
         name, gguf = recorded["name_or_path"], recorded.get("gguf_file")
+        name = _offline_copy(name)
     else:
         name, gguf = split_target(target)
     if dtype is None:

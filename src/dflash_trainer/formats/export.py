@@ -164,6 +164,10 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
     meta: dict[str, Any] = {"source": {"format": fmt, "path": str(p), "config": cfg}}
     if fmt == "zlab":
         spec, notes = spec_from_zlab_config(cfg, where)
+        # The layout has no target field; an export's model card names it (`base_model`).
+        base = _card_base_model(p)
+        if base:
+            meta["target"] = {"name_or_path": base}
     else:
         n_target = None
         name = target or verifier_name(cfg)
