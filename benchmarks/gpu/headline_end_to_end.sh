@@ -15,6 +15,8 @@
 #   scaling   the training-set-size points: nested subsets, same epochs (gpu/scaling_curve.sh)
 #   headline  the full run: training, export, t=0 evaluation (gpu/headline.sh, EVALS=t0)
 #   steps     the full run's kept checkpoints served at t=0 (the steps curve), then the table
+#   block8    the same run at block size 8 (same data, steps and anchors), served at t=0 against
+#             the target alone: the second row, which the headline takes only if it wins
 #   finish    t=1 and eager HF evaluations, the headline report, the published drafter
 #
 #   PROMPTS=prompts.jsonl bash benchmarks/gpu/headline_end_to_end.sh
@@ -39,8 +41,8 @@
 #   | tar xz`).
 # Runtime on one H200: gpu_tests ~2 min, published ~12 min, speed ~5 min, data ~12 min
 #   (synthesis 2, regeneration ~9 with the loop stop, preparation 1), train_speed ~5 min,
-#   scaling ~8 min, headline training ~8 min + 3 min t=0, steps ~1 min a checkpoint, finish
-#   ~15 min (t=1 with its baseline, eager HF decoding).
+#   scaling ~8 min, headline training ~8 min + 3 min t=0, steps ~1 min a checkpoint, block8
+#   ~11 min, finish ~15 min (t=1 with its baseline, eager HF decoding).
 # Result document: benchmarks/headline_smollm2_h200_<date>.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/headline_end_to_end}"
@@ -187,6 +189,15 @@ headline() {  # every checkpoint kept: the steps stage serves each one
 finish() {
   EVALS="t1 eager" EAGER_SETS=gsm8k EAGER_SAMPLES="${EAGER_SAMPLES:-10}" full_run && pack_drafter
 }
+block8() {  # exported beside the run, not published
+  local attention
+  # PUBLISH before OUT: an assignment word sees the ones before it on the line.
+  attention="$(target_attention)" && PUBLISH="$OUT/block8/export" DATA="$OUT/data/prep_mask" \
+    OUT="$OUT/block8" EVALS=t0 MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" \
+    EXTRA="drafter.block_size=8 training.gamma=4.0 training.target_attention=$attention \
+      ${HEADLINE_EXTRA:-}" bash benchmarks/gpu/headline.sh
+}
+
 full_run() {
   local attention
   attention="$(target_attention)" && echo "target attention: $attention" \
@@ -204,7 +215,8 @@ pack_drafter() {  # the published drafter (weights, config, card) in parts under
 
 for s in ${STAGES:-data headline steps scaling finish}; do
   case $s in
-    gpu_tests | published | speed | data | train_speed | scaling | headline | steps | finish)
+    gpu_tests | published | speed | data | train_speed | scaling | headline | steps | block8 | \
+      finish)
       stage "$s" "$s"
       ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
