@@ -118,6 +118,17 @@ def main() -> None:
     }
     if args.synth_report and args.synth_report.is_file():
         out["synthesized"] = json.loads(args.synth_report.read_text())
+    # `dflash data regenerate` logs each run of a job beside its output.
+    keep = ("seconds", "new_tokens", "tokens_per_second", "written", "already_done")
+    keep += ("continued", "cut_at_interrupt", "time_limit_reached", "engine", "finished_at")
+    logged = [
+        {"output": str(path), **{k: r.get(k) for k in keep}}
+        for path in args.regen
+        if path.with_name(path.name + ".runs.jsonl").is_file()
+        for r in map(json.loads, path.with_name(path.name + ".runs.jsonl").read_text().splitlines())
+    ]
+    if logged:
+        out["regeneration_runs"] = logged
     if args.extra and args.extra.is_file():
         out.update(json.loads(args.extra.read_text()))
     args.out.write_text(json.dumps(out, indent=1))

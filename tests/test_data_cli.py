@@ -88,6 +88,11 @@ def test_regenerate_resumes_and_its_output_prepares(
     assert "wrote 2 records" in printed and "3 already done" in printed
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(records) == 5 and records[0]["generation"]["model"] == str(model_dir)
+    # Every run of the job is logged beside the output, the HF path without engine time.
+    runs = [json.loads(x) for x in (tmp_path / "regen.jsonl.runs.jsonl").read_text().splitlines()]
+    assert [r["written"] for r in runs] == [3, 2] and runs[1]["already_done"] == 3
+    assert runs[0]["settings"]["max_records"] == 3 and runs[1]["engine"] is None
+    assert all(r["new_tokens"] > 0 and r["tokens_per_second"] > 0 for r in runs)
     # The output is training data: it prepares like any OpenAI-messages file. (Random-weight
     # answers that decode to whitespace only are skipped as empty turns, as they should be.)
     usable = sum(all(m["content"].strip() for m in r["messages"]) for r in records)
@@ -96,3 +101,18 @@ def test_regenerate_resumes_and_its_output_prepares(
     argv = ["data", "prepare", "--input", str(out), "--tokenizer", str(tok_dir), "--out", str(prep)]
     assert main([*argv, "--eval-fraction", "0"]) == 0
     assert len(PreparedDataset(prep)) == usable
+
+
+def test_regenerate_on_the_static_engine_says_where_its_time_went(
+    tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"tell me {i}"} for i in range(3)])
+    out = tmp_path / "regen.jsonl"
+    argv = ["data", "regenerate", "--input", str(src), "--model", str(model_dir), "--out", str(out)]
+    argv += ["--max-new-tokens", "4", "--batch-size", "2", "--device", "cpu", "--no-progress"]
+    assert main([*argv, "--backend", "static"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("engine:"))
+    run = json.loads((tmp_path / "regen.jsonl.runs.jsonl").read_text())
+    stats = run["engine"]
+    assert stats["decode_steps"] > 0 and stats["prefills"] > 0
+    assert f"{stats['decode_steps']:,} decode steps" in line and "rows busy" in line

@@ -247,7 +247,40 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )
+    _log_run(args, result)
     return 0
+
+
+def engine_line(stats: dict[str, Any]) -> str:
+    """One line of the static engine's statistics: where a regeneration's time went."""
+    steps = stats["decode_steps"]
+    busy = stats["row_steps_busy"] / stats["row_steps"] if stats["row_steps"] else 0.0
+    ms = 1000 * stats["decode_s"] / steps if steps else 0.0
+    return (
+        f"engine: {steps:,} decode steps ({stats['decode_s']:.1f} s, {ms:.2f} ms each, rows busy "
+        f"{busy:.0%}), {stats['prefills']:,} prefills ({stats['prefill_s']:.1f} s), host "
+        f"{stats['host_s']:.1f} s, {stats['builds']} shape builds ({stats['build_s']:.1f} s); "
+        f"{stats['continued']:,} turns continued in their rows ({stats['reused_tokens']:,} "
+        "history tokens not prefilled again)"
+    )
+
+
+def _log_run(args: argparse.Namespace, result: Any) -> None:
+    """Print the engine's line and append this run to `<out>.runs.jsonl`: a job resumed over
+    several runs keeps every run's counts, speed and engine time (one JSON line each)."""
+    import json
+    from dataclasses import asdict
+
+    if result.engine:
+        print(engine_line(result.engine))
+    record = asdict(result) | {
+        "tokens_per_second": result.tokens_per_second,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+    }
+    path = Path(args.out).with_name(Path(args.out).name + ".runs.jsonl")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=str) + "\n")
 
 
 def _positive_seconds(text: str) -> float:
