@@ -27,6 +27,8 @@ answer finishes. Here:
 - Attention: a decode step of a grouped-query target attends to each key/value head once
   (data/grouped_decode.py); the cache read is what a step costs, so copying heads would
   triple it.
+- One step in flight: the host reads a step's tokens and does its bookkeeping (stop checks,
+  the loop stop) while the GPU runs the next step, so host work costs no GPU time.
 - Sampling: greedy (argmax), or temperature / top_p with noise drawn from a counter-based hash
   of (row key, position): a prompt's answer depends on its key and the seed only, not on which
   rows ran beside it, so a resumed job draws what an uninterrupted one would have.
@@ -48,13 +50,17 @@ import torch
 
 from dflash_trainer.data.engine_state import (
     EngineStats,
+    Flight,
     Follow,
     Rows,
     Shape,
+    StepTokens,
     Work,
     cache_length,
     common_prefix,
+    flex_decode,
     kv_bytes_per_position,
+    prefill_inputs,
 )
 from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
 from dflash_trainer.data.loop_tails import loops_now
@@ -114,13 +120,7 @@ class StaticBatchEngine:
             else self._forward_prefill
         )
         self.reuse_prefix = reuse_prefix
-        if decode_attention not in ("sdpa", "flex"):
-            raise DFlashError(f"unknown decode attention {decode_attention!r}; use sdpa or flex")
-        if decode_attention == "flex" and not compile_decode:
-            raise DFlashError(
-                "decode attention flex runs only in the compiled decode step: add --compile-decode"
-            )
-        self.flex = decode_attention == "flex"
+        self.flex = flex_decode(decode_attention, compile_decode)
         self._decode_kernels = sdpa_backends(decode_sdpa)
         self._prefill_kernels = sdpa_backends(prefill_sdpa)
         self.kv_fraction = kv_fraction
@@ -133,6 +133,7 @@ class StaticBatchEngine:
         self.stats = EngineStats()
         self._built: dict[int, Shape] = {}  # cache length -> its built shape
         self._replay: _Replay | None = None
+        self._tokens = StepTokens()
         self.cache = _SlotCache(1, 1)
         self.oom_splits = 0
 
@@ -295,23 +296,9 @@ class StaticBatchEngine:
         Fresh rows (`starts` None) attend only to what they are fed. With `starts`, row i
         already holds the first starts[i] tokens of prompt i (its conversation so far): only
         the rest is fed, attending to the row's cache up to each position."""
-        k = len(prompts)
-        begin = starts or [0] * k
-        width = max(len(p) - c for p, c in zip(prompts, begin))
-        # Widths rounded up to a few values: every new prefill shape costs kernel selection
-        # (and attention plans) on a GPU; the extra columns are padding like any other.
-        width = min(-(-width // self.prefill_align) * self.prefill_align, self.length)
-        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
-        pos = torch.empty((k, width), dtype=torch.long)
-        real = torch.zeros((k, width), dtype=torch.bool)
-        for i, (p, c) in enumerate(zip(prompts, begin)):
-            n, end = len(p) - c, len(p)
-            ids[i, width - n :] = torch.tensor(p[c:], dtype=torch.long)
-            pos[i, width - n :] = torch.arange(c, end)
-            # Padding gets slots after the prompt (decode overwrites them before reading);
-            # past the cache, the last slot, which no live token of this row ever takes.
-            pos[i, : width - n] = torch.arange(end, end + width - n).clamp(max=self.length - 1)
-            real[i, width - n :] = True
+        ids, pos, real = prefill_inputs(
+            prompts, starts, self.pad_id, self.prefill_align, self.length
+        )
         dev = self.device
         ids, pos, real = ids.to(dev), pos.to(dev), real.to(dev)
         if starts is None:
@@ -389,31 +376,50 @@ class StaticBatchEngine:
         return outs
 
     def _run_group(self, length: int, group: list[int], work: Work) -> None:
-        """Continuous batching over prompts of one cache length (shortest first)."""
+        """Continuous batching over prompts of one cache length (shortest first). One decode
+        step stays in flight: the host reads a step's tokens and does its bookkeeping while
+        the GPU runs the next one (rows that stopped step once more, as idle rows do); a
+        refill first reads the step in flight, since it changes rows under it."""
         rows = self._ensure(length, len(group))
         default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
         refill_at = min(self.refill_rows or default_refill, rows)
         g = Rows(deque(group), list(range(rows)))
-        while g.queue or g.live or g.cont:
+        flight: Flight | None = None
+        while g.queue or g.live or g.cont or flight is not None:
             waiting = len(g.queue) + len(g.cont)
             fillable = min(len(g.free), len(g.queue)) + len(g.cont)
-            if waiting and (not g.live or fillable >= min(refill_at, waiting)):
+            refill = bool(waiting) and (not g.live or fillable >= min(refill_at, waiting))
+            if flight is not None and (refill or not g.live):
+                self._take(flight, g, work)
+                flight = None
+            elif refill:
                 self._refill(g, work)
+            else:
+                assert self._replay is not None
+                launched: Flight = (self._tokens.queue(self._replay()), dict(g.live))
+                self.stats.decode_steps += 1
+                self.stats.row_steps += rows
+                self.stats.row_steps_busy += len(g.live)
+                if flight is not None:
+                    self._take(flight, g, work)
+                flight = launched
+
+    def _take(self, flight: Flight, g: Rows, work: Work) -> None:
+        """A step's tokens for the rows live at its launch that still are (a row that stopped
+        at the step before got a token past its end: dropped)."""
+        read, live = flight
+        t0 = time.perf_counter()
+        tok = read()
+        t1 = time.perf_counter()
+        for slot, i in live.items():
+            if g.live.get(slot) != i:
                 continue
-            assert self._replay is not None
-            t0 = time.perf_counter()
-            tok = self._replay().tolist()
-            t1 = time.perf_counter()
-            self.stats.decode_steps += 1
-            self.stats.row_steps += rows
-            self.stats.row_steps_busy += len(g.live)
-            for slot, i in list(g.live.items()):
-                work.outs[i].append(tok[slot])
-                if self._done(work.outs[i]):
-                    del g.live[slot]
-                    self._retire(slot, i, g, work)
-            self.stats.decode_s += t1 - t0
-            self.stats.host_s += time.perf_counter() - t1
+            work.outs[i].append(tok[slot])
+            if self._done(work.outs[i]):
+                del g.live[slot]
+                self._retire(slot, i, g, work)
+        self.stats.decode_s += t1 - t0
+        self.stats.host_s += time.perf_counter() - t1
 
     def _done(self, toks: list[int]) -> bool:
         return (

@@ -1,5 +1,5 @@
 """The state a `StaticBatchEngine` (data/engine.py) keeps: cache buckets, built shapes, the
-prompts of a call, statistics."""
+prompts of a call, the decode step in flight, statistics; and its prefill inputs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.static_decode import _Replay, _SlotCache
 
 
@@ -43,9 +44,10 @@ class EngineStats:
     prefill_s: float = 0.0
     """Seconds in prefill forwards (to their first tokens on the host)."""
     decode_s: float = 0.0
-    """Seconds in decode steps (replay until the tokens are on the host)."""
+    """Seconds waiting for decode steps' tokens (GPU time the host work did not cover)."""
     host_s: float = 0.0
-    """Seconds of per-step bookkeeping on the host (appending tokens, stop checks)."""
+    """Seconds of per-step bookkeeping on the host (appending tokens, stop checks); on a GPU
+    it runs while the next step does."""
     continued: int = 0
     """Chain turns prefilled in their conversation's own row, after its cached history."""
     reused_tokens: int = 0
@@ -87,6 +89,42 @@ class Shape:
     """Fewer rows than asked for, for lack of memory: do not rebuild to grow it."""
 
 
+def flex_decode(decode_attention: str, compile_decode: bool) -> bool:
+    """Whether the decode step attends through FlexAttention (`decode_attention` checked)."""
+    if decode_attention not in ("sdpa", "flex"):
+        raise DFlashError(f"unknown decode attention {decode_attention!r}; use sdpa or flex")
+    if decode_attention == "flex" and not compile_decode:
+        raise DFlashError(
+            "decode attention flex runs only in the compiled decode step: add --compile-decode"
+        )
+    return decode_attention == "flex"
+
+
+def prefill_inputs(
+    prompts: list[list[int]], starts: list[int] | None, pad_id: int, align: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, positions, real) [k, W] of a prefill, left-padded: prompt i from token starts[i]
+    (0 without `starts`), at its own positions."""
+    k = len(prompts)
+    begin = starts or [0] * k
+    width = max(len(p) - c for p, c in zip(prompts, begin))
+    # Widths rounded up to a few values: every new prefill shape costs kernel selection
+    # (and attention plans) on a GPU; the extra columns are padding like any other.
+    width = min(-(-width // align) * align, length)
+    ids = torch.full((k, width), pad_id, dtype=torch.long)
+    pos = torch.empty((k, width), dtype=torch.long)
+    real = torch.zeros((k, width), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, begin)):
+        n, end = len(p) - c, len(p)
+        ids[i, width - n :] = torch.tensor(p[c:], dtype=torch.long)
+        pos[i, width - n :] = torch.arange(c, end)
+        # Padding gets slots after the prompt (decode overwrites them before reading);
+        # past the cache, the last slot, which no live token of this row ever takes.
+        pos[i, : width - n] = torch.arange(end, end + width - n).clamp(max=length - 1)
+        real[i, width - n :] = True
+    return ids, pos, real
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -104,3 +142,40 @@ class Rows:
     free: list[int]
     live: dict[int, int] = field(default_factory=dict)
     cont: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+Flight = tuple[Callable[[], list[int]], dict[int, int]]
+"""A decode step in flight: the read of its tokens, and the live rows (row -> prompt) it
+stepped."""
+
+
+class StepTokens:
+    """A queued decode step's tokens, read on the host once the step is done.
+
+    Why: reading a step's tokens waits for the GPU, and the host work after it (each row's
+    stop checks, the loop stop's look) left the GPU idle. The engine queues the next step
+    before reading the last one; on a GPU the graph writes every step into the same output
+    buffer, so each step's tokens are first copied behind it into one of two pinned host
+    buffers (the one read last is the one written next)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[torch.Tensor] = []
+        self.flip = 0
+
+    def queue(self, out: torch.Tensor) -> Callable[[], list[int]]:
+        if out.device.type != "cuda":
+            tokens = out.tolist()
+            return lambda: tokens
+        if not self.bufs or self.bufs[0].shape != out.shape:
+            self.bufs = [torch.empty(out.shape, dtype=out.dtype, pin_memory=True) for _ in "ab"]
+        buf = self.bufs[self.flip]
+        self.flip ^= 1
+        buf.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> list[int]:
+            done.synchronize()
+            return list(buf.tolist())
+
+        return read
