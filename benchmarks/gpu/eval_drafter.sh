@@ -12,8 +12,10 @@
 #   is the one the drafter records (set TARGET to override). The prompt sets are asset packages
 #   (docs/assets.md).
 # Knobs: SETS (gsm8k,mt-bench,humaneval), SAMPLES (10 prompts per set), MAX_NEW_TOKENS (256),
-#   TEMPS ("0 1"; the temperatures run side by side on the GPU), DECODE (auto), EXTRA (more
-#   `dflash eval` flags, e.g. "--target-dtype float32"), OUT (benchmarks/out/eval_drafter).
+#   TEMPS ("0 1"; one after the other, so each speedup has the GPU to itself), SIDE_BY_SIDE
+#   (1: the temperatures at once, faster, for tau only: the speedups then share the GPU),
+#   DECODE (auto), EXTRA (more `dflash eval` flags, e.g. "--target-dtype float32"),
+#   OUT (benchmarks/out/eval_drafter).
 # Outputs: $OUT/t<temp>/ (eval.json with every response, eval.md, plots), $OUT/t<temp>.log
 # Runtime: about 2-5 minutes for the SmolLM2 drafters with the defaults.
 # Result document: benchmarks/smollm2-135m_h200_202612.md
@@ -24,16 +26,23 @@ mkdir -p "$OUT"
 report_env | tee "$OUT/env.txt"
 target=()
 [ -n "${TARGET:-}" ] && target=(--target "$TARGET")
-pids=()
-for t in ${TEMPS:-0 1}; do
+evaluate() {  # temperature
   # --allow-mismatch: a bf16 near-tie is reported in eval.json, not treated as a failure.
   $DFLASH eval --drafter "$DRAFTER" "${target[@]}" --prompts "${SETS:-gsm8k,mt-bench,humaneval}" \
-    --max-samples "${SAMPLES:-10}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" --temperature "$t" \
-    --decode "${DECODE:-auto}" --allow-mismatch --no-progress ${EXTRA:-} --out-dir "$OUT/t$t" \
-    > "$OUT/t$t.log" 2>&1 &
-  pids+=($!)
-done
+    --max-samples "${SAMPLES:-10}" --max-new-tokens "${MAX_NEW_TOKENS:-256}" --temperature "$1" \
+    --decode "${DECODE:-auto}" --allow-mismatch --no-progress ${EXTRA:-} --out-dir "$OUT/t$1" \
+    > "$OUT/t$1.log" 2>&1
+}
+pids=()
 rc=0
+for t in ${TEMPS:-0 1}; do
+  if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    evaluate "$t" &
+    pids+=($!)
+  else
+    evaluate "$t" || rc=1
+  fi
+done
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
-grep -h "dflash eval:" "$OUT"/t*.log || true
+for t in ${TEMPS:-0 1}; do grep -h "dflash eval:" "$OUT/t$t.log" || true; done
 exit $rc
