@@ -260,6 +260,8 @@ def _points(args: argparse.Namespace) -> list[dict[str, Any]]:
     for item in args.point:
         label, _, rest = item.partition("=")
         turns, _, report = rest.partition(":")
+        if not label or not turns.isdigit() or not Path(report).exists():
+            raise SystemExit(f"--point {item!r}: use LABEL=TURNS:EVAL with an existing report")
         q = bare.setdefault(
             label,
             {"label": label, "run": None, "documents": 0, "supervised_tokens": 0, "tau": {}},

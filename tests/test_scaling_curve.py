@@ -93,9 +93,13 @@ def test_bare_points_merge_by_label_and_write_every_file(tmp_path: Path) -> None
     assert (out / "scaling.png").stat().st_size > 0
 
 
-def test_a_run_or_a_point_is_required(tmp_path: Path) -> None:
+def test_a_run_or_a_point_is_required_and_a_point_is_checked(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         _bench().main(["--out", str(tmp_path)])
+    report = _report(tmp_path / "r.json", {"gsm8k": 2.0})
+    for bad in ("10k:r.json", f"a=ten:{report}", f"a=10:{tmp_path / 'missing.json'}"):
+        with pytest.raises(SystemExit, match="LABEL=TURNS:EVAL"):
+            _bench().main(["--point", bad, "--out", str(tmp_path)])
 
 
 def test_step_points_read_checkpoint_reports_not_their_logs(tmp_path: Path) -> None:
