@@ -141,6 +141,7 @@ curve() {  # sizes ("" for none): the subsets, then the full run and its checkpo
 }
 scaling() { curve "${SIZES:-4000 12000}"; }
 steps() {  # the full run's checkpoints; the subsets' rows too once they are done
+  [ -e "$OUT/headline/t0/eval.json" ] || { echo "no full run served at t=0 yet"; return 1; }
   if [ -e "$OUT/done_scaling" ]; then curve "${SIZES:-4000 12000}"; else curve ""; fi
 }
 
