@@ -186,6 +186,15 @@ def test_flex_target_leaves_the_attention_setting_as_it_was(tmp_path):
     assert "target attention flex" in tr.fast.describe()
 
 
+def test_flex_target_on_the_standard_step_is_said_to_do_nothing(tmp_path):
+    from dflash_trainer.train.fast_step import build_fast_step
+
+    cfg = tiny_config(tmp_path, training={"target_attention": "flex"})
+    tr = Trainer(cfg, log_to_console=False)
+    fast, line = build_fast_step(tr)
+    assert fast is None and "target_attention=flex applies to the fast step only" in line
+
+
 def test_flex_target_refuses_a_big_pack_off_the_gpu(tmp_path):
     cfg = tiny_config(tmp_path, training={"step_path": "fast"})
     tr = Trainer(cfg, log_to_console=False)

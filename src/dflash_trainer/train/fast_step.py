@@ -416,6 +416,8 @@ def build_fast_step(trainer: Trainer) -> tuple[FastStep | None, str]:
     w = trainer.world
     path, why = resolve_step_path(trainer.cfg, trainer.target, w.world_size, w.drafter_device)
     if path == "standard":
-        return None, f"step path: standard ({why})"
+        unused = trainer.cfg.training.target_attention == "flex"
+        note = "; training.target_attention=flex applies to the fast step only" if unused else ""
+        return None, f"step path: standard ({why}){note}"
     fast = FastStep(trainer, graphs=w.drafter_device.type == "cuda")
     return fast, f"step path: fast ({why}; {fast.describe()})"
