@@ -26,7 +26,8 @@
 # Resumable like the scripts it drives: finished stages (a `done_<stage>` marker) are skipped,
 # an interrupted training resumes from its latest checkpoint.
 # Inputs: PROMPTS: `dflash data prompts --sources smollm2-mix` output (made on any machine that
-#   has the corpora; empty: made here); the SmolLM2 and eval-set asset packages.
+#   has the corpora; empty: made here); the SmolLM2 and eval-set asset packages
+#   (benchmarks/offline_bundle.sh carries both to a machine without a registry).
 # Knobs: STAGES ("data headline steps scaling finish"), SPEED_VARIANTS ("rows1024_flex
 #   rows1024_all"), ENGINE_ARGS (the data stage's engine; default: the fastest speed variant
 #   measured in $OUT/speed, else "--batch-size 1024 --compile-decode"), REGEN_SECONDS (900),
