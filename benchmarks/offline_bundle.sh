@@ -55,7 +55,13 @@ unpack() {
   done
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$DIR"/wheels/*.whl
-  xz -dc "$DIR/prompts/prompts.jsonl.xz" > "$DIR/prompts.jsonl.tmp"
+  if command -v xz > /dev/null; then
+    xz -dc "$DIR/prompts/prompts.jsonl.xz" > "$DIR/prompts.jsonl.tmp"
+  else  # Python's own lzma reads the same file
+    "$py" -c 'import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$DIR/prompts/prompts.jsonl.xz" "$DIR/prompts.jsonl.tmp"
+  fi
   mv "$DIR/prompts.jsonl.tmp" "$DIR/prompts.jsonl"
   cp "$DIR"/prompts/prompts.jsonl.sources.json "$DIR"/prompts/prompts.jsonl.decontam.jsonl "$DIR/"
   echo "installed into $site (export PYTHONPATH=$site); prompts: $DIR/prompts.jsonl"
