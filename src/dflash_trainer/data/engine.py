@@ -399,7 +399,6 @@ class StaticBatchEngine:
                 launched: Flight = (self._tokens.queue(self._replay()), dict(g.live))
                 self.stats.decode_steps += 1
                 self.stats.row_steps += rows
-                self.stats.row_steps_busy += len(g.live)
                 if flight is not None:
                     self._take(flight, g, work)
                 flight = launched
@@ -414,6 +413,7 @@ class StaticBatchEngine:
         for slot, i in live.items():
             if g.live.get(slot) != i:
                 continue
+            self.stats.row_steps_busy += 1  # a row that stopped a step before is not busy
             work.outs[i].append(tok[slot])
             if self._done(work.outs[i]):
                 del g.live[slot]
