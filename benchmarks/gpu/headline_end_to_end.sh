@@ -28,9 +28,10 @@
 # Inputs: PROMPTS: `dflash data prompts --sources smollm2-mix` output (made on any machine that
 #   has the corpora; empty: made here); the SmolLM2 and eval-set asset packages
 #   (benchmarks/offline_bundle.sh carries both to a machine without a registry).
-# Knobs: STAGES ("data headline steps scaling finish"), SPEED_VARIANTS ("rows1024_flex
-#   rows1024_all"), ENGINE_ARGS (the data stage's engine; default: the fastest speed variant
-#   measured in $OUT/speed, else "--batch-size 1024 --compile-decode" with cuDNN attention),
+# Knobs: STAGES ("data headline steps scaling finish"), SPEED_VARIANTS ("rows1024_compiled
+#   rows1024_flex rows1024_all": the published setting first, then the new ones), ENGINE_ARGS
+#   (the data stage's engine; default: the fastest speed variant measured in $OUT/speed, else
+#   "--batch-size 1024 --compile-decode" with cuDNN attention),
 #   REGEN_SECONDS (900), SYNTH_N (10000), REGEN_NEW_TOKENS (512), SIZES ("4000 12000"),
 #   SAMPLES (40), EVAL_NEW_TOKENS (256), EXTRA (the subsets' training overrides),
 #   HEADLINE_EXTRA (the full run's), STEPS (the full run's steps; empty: the recipe's 6
@@ -40,7 +41,7 @@
 #   $RET holds at most 8 files: results.tgz (every JSON, Markdown, plot and log, no data or
 #   weights), drafter.tgz.part-* (the trained drafter in 15 MB parts: `cat drafter.tgz.part-*
 #   | tar xz`).
-# Runtime on one H200: gpu_tests ~2 min, published ~12 min, speed ~5 min, data ~12 min
+# Runtime on one H200: gpu_tests ~2 min, published ~12 min, speed ~8 min, data ~12 min
 #   (synthesis 2, regeneration ~9 with the loop stop, preparation 1), train_speed ~5 min,
 #   scaling ~8 min, headline training ~8 min + 3 min t=0, steps ~1 min a checkpoint, block8
 #   ~11 min, finish ~15 min (t=1 with its baseline, eager HF decoding).
@@ -94,7 +95,7 @@ prompts() {  # the prompts file the speed and data stages read
 speed() {
   local prompts
   prompts="$(prompts)" && PROMPTS="$prompts" OUT="$OUT/speed" \
-    VARIANTS="${SPEED_VARIANTS:-rows1024_flex rows1024_all}" \
+    VARIANTS="${SPEED_VARIANTS:-rows1024_compiled rows1024_flex rows1024_all}" \
     ENGINE_ARGS="--decode-sdpa cudnn --prefill-sdpa cudnn --warm-pass" \
     bash benchmarks/gpu/regenerate_speed.sh
 }

@@ -36,7 +36,9 @@ run() {  # name, then extra arguments
     ('engine_tokens_per_s', 'hf_batched_tokens_per_s', 'speedup', 'engine_breakdown_s',
      'engine_ms_per_decode_step')})" "$OUT/$name.json"
 }
+failed=()
 for v in ${VARIANTS:-rows256 rows256_compiled rows1024_compiled}; do
+  # A variant that fails is reported and the next one still runs.
   case $v in
     rows256) run "$v" --max-prompts 2048 --hf-prompts 256 ;;
     rows256_compiled) run "$v" --max-prompts 2048 --hf-prompts 256 --compile-decode ;;
@@ -47,5 +49,9 @@ for v in ${VARIANTS:-rows256 rows256_compiled rows1024_compiled}; do
     rows1024_all) run "$v" --max-prompts 8192 --hf-prompts 256 --batch-size 1024 \
       --compile-decode --decode-attention flex --compile-prefill --fp32-prompts 0 ;;
     *) echo "unknown variant $v" >&2; exit 2 ;;
-  esac
+  esac || failed+=("$v")
 done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed variants: ${failed[*]} (logs in $OUT)" >&2
+  exit 1
+fi
