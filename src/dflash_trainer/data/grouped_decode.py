@@ -138,13 +138,6 @@ def flex_decode_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, grouped_decode_attention)
-    AttentionInterface.register(FLEX_NAME, flex_decode_attention)
-
-
 @contextmanager
 def grouped_decode(model: Any, flex: bool = False) -> Iterator[bool]:
     """While open, an `sdpa` grouped-query `model` attends with `grouped_decode_attention`
@@ -158,9 +151,8 @@ def grouped_decode(model: Any, flex: bool = False) -> Iterator[bool]:
     if impl != "sdpa" or heads % kv or (kv == heads and not flex):
         yield False
         return
-    _register()
-    cfg._attn_implementation = FLEX_NAME if flex else NAME
-    try:
+    from dflash_trainer.target.model import attending_with
+
+    name, fn = (FLEX_NAME, flex_decode_attention) if flex else (NAME, grouped_decode_attention)
+    with attending_with(model, name, fn):
         yield True
-    finally:
-        cfg._attn_implementation = impl

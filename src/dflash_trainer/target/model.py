@@ -37,6 +37,23 @@ from dflash_trainer.errors import DFlashError
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+@contextlib.contextmanager
+def attending_with(model: Any, name: str, fn: Any) -> Iterator[None]:
+    """While open, `model`'s attention layers call `fn`, registered with transformers as
+    `name` (its layers look their attention function up by the config's implementation name
+    at every call); the implementation it had is restored after."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+    cfg = model.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
+
+
 class _StopForward(Exception):
     """Raised by the deepest tap when the rest of the target is not needed."""
 

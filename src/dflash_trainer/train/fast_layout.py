@@ -215,9 +215,7 @@ def pack_chunk(pack: Pack) -> TargetChunk:
     """The whole pack as one [1, T] target input (flex target attention: no rows needed)."""
     seg = pack.document_ids_T
     dst = torch.where(seg >= 0, torch.arange(seg.numel()), seg.numel())
-    return TargetChunk(
-        pack.input_ids_T[None], pack.position_ids_T[None], seg[None].clone(), dst[None]
-    )
+    return TargetChunk(pack.input_ids_T[None], pack.position_ids_T[None], seg[None], dst[None])
 
 
 def prepare_host(

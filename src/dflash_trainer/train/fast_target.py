@@ -19,30 +19,37 @@ cross a row, so the rule is the same.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dflash_trainer.core.masks import Intervals, build_block_mask
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.target.model import FrozenTarget
+from dflash_trainer.target.model import FrozenTarget, attending_with
 from dflash_trainer.train.fast_layout import FastShapes
 
 FLEX_ROWS = "dflash_flex_rows"
 """The attention implementation name the flex target forward registers with transformers."""
 CPU_FLEX_BYTES = 2 * 2**30
 """The most score memory (fp32, all heads) the CPU reference path may hold for one layer."""
-_compiled: dict[str, Any] = {}
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def chunk_intervals(seg_RL: torch.Tensor) -> Intervals:
-    """The chunk as one sequence: query q sees [start of its document, q]; padding sees q."""
-    length = seg_RL.shape[1]
+    """The chunk as one sequence: query q sees [start of its document, q]; padding sees q.
+    (Document ids are unique and a document never crosses a row, so a change of id marks
+    every document's start, row starts included.)"""
     seg = seg_RL.reshape(-1)
     idx = torch.arange(seg.numel(), device=seg.device)
-    start = (seg != torch.roll(seg, 1)) | (idx % length == 0) | (seg < 0)
+    start = (seg != torch.roll(seg, 1)) | (seg < 0)
     lo = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), 0).values
     none = torch.zeros_like(idx, dtype=torch.int32)
     return Intervals(lo.int(), (idx + 1).int(), none, none, seg.numel())
@@ -61,9 +68,8 @@ def flex_rows_attention(
     """An HF attention function: FlexAttention under the chunk's block mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_attention
-    if query.device.type == "cuda":  # uncompiled FlexAttention materialises the scores
-        fn = _compiled.setdefault("cuda", torch.compile(flex_attention, dynamic=False))
+    # Uncompiled FlexAttention materialises the scores: the reference path, CPU tests only.
+    fn = _compiled_flex() if query.device.type == "cuda" else flex_attention
     out = fn(
         query,
         key,
@@ -74,21 +80,6 @@ def flex_rows_attention(
     )
     assert isinstance(out, torch.Tensor)
     return out.transpose(1, 2).contiguous(), None
-
-
-@contextmanager
-def attention_implementation(model: Any, name: str) -> Iterator[None]:
-    """While open, `model`'s attention layers call the registered function `name`."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(FLEX_ROWS, flex_rows_attention)
-    cfg = model.config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = name
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = before
 
 
 class _Replay:
@@ -171,7 +162,7 @@ class TargetRunner:
         tg = self.target
         with tg.taps() as cap:
             if self.flex:
-                with attention_implementation(tg.model, FLEX_ROWS):
+                with attending_with(tg.model, FLEX_ROWS, flex_rows_attention):
                     out = tg.decoder(
                         input_ids=ids.reshape(1, -1),
                         attention_mask=build_block_mask(chunk_intervals(seg)),
