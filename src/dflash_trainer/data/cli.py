@@ -257,8 +257,8 @@ def engine_line(stats: dict[str, Any]) -> str:
     busy = stats["row_steps_busy"] / stats["row_steps"] if stats["row_steps"] else 0.0
     ms = 1000 * stats["decode_s"] / steps if steps else 0.0
     return (
-        f"engine: {steps:,} decode steps ({stats['decode_s']:.1f} s, {ms:.2f} ms each, rows busy "
-        f"{busy:.0%}), {stats['prefills']:,} prefills ({stats['prefill_s']:.1f} s), host "
+        f"engine: {steps:,} decode steps ({stats['decode_s']:.1f} s waiting for their tokens, "
+        f"{ms:.2f} ms a step, rows busy {busy:.0%}), {stats['prefills']:,} prefills ({stats['prefill_s']:.1f} s), host "
         f"{stats['host_s']:.1f} s, {stats['builds']} shape builds ({stats['build_s']:.1f} s); "
         f"{stats['continued']:,} turns continued in their rows ({stats['reused_tokens']:,} "
         "history tokens not prefilled again)"

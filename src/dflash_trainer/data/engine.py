@@ -396,24 +396,22 @@ class StaticBatchEngine:
                 self._refill(g, work)
             else:
                 assert self._replay is not None
-                launched: Flight = (self._tokens.queue(self._replay()), dict(g.live))
+                launched = self._tokens.queue(self._replay())
                 self.stats.decode_steps += 1
                 self.stats.row_steps += rows
                 if flight is not None:
                     self._take(flight, g, work)
                 flight = launched
 
-    def _take(self, flight: Flight, g: Rows, work: Work) -> None:
-        """A step's tokens for the rows live at its launch that still are (a row that stopped
-        at the step before got a token past its end: dropped)."""
-        read, live = flight
+    def _take(self, read: Flight, g: Rows, work: Work) -> None:
+        """A step's tokens for the rows still live. No row joins while a step is in flight
+        (a refill reads it first), so these were all live at its launch; a row that stopped
+        at the step before got a token past its end, dropped with the row."""
         t0 = time.perf_counter()
         tok = read()
         t1 = time.perf_counter()
-        for slot, i in live.items():
-            if g.live.get(slot) != i:
-                continue
-            self.stats.row_steps_busy += 1  # a row that stopped a step before is not busy
+        self.stats.row_steps_busy += len(g.live)
+        for slot, i in list(g.live.items()):
             work.outs[i].append(tok[slot])
             if self._done(work.outs[i]):
                 del g.live[slot]

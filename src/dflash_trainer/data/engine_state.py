@@ -144,9 +144,8 @@ class Rows:
     cont: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-Flight = tuple[Callable[[], list[int]], dict[int, int]]
-"""A decode step in flight: the read of its tokens, and the live rows (row -> prompt) it
-stepped."""
+Flight = Callable[[], list[int]]
+"""A decode step in flight: reads its tokens (waiting for the step when it has not ended)."""
 
 
 class StepTokens:
@@ -162,7 +161,7 @@ class StepTokens:
         self.bufs: list[torch.Tensor] = []
         self.flip = 0
 
-    def queue(self, out: torch.Tensor) -> Callable[[], list[int]]:
+    def queue(self, out: torch.Tensor) -> Flight:
         if out.device.type != "cuda":
             tokens = out.tolist()
             return lambda: tokens
