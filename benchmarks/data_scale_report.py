@@ -69,6 +69,18 @@ def regen_counts(paths: list[Path]) -> dict[str, Any]:
     return {k: dict(v) for k, v in sorted(per.items())}
 
 
+def logged_runs(paths: list[Path]) -> list[dict[str, Any]]:
+    """The runs `dflash data regenerate` logged beside each output (`<out>.runs.jsonl`)."""
+    keep = ("seconds", "new_tokens", "tokens_per_second", "written", "already_done")
+    keep += ("continued", "cut_at_interrupt", "time_limit_reached", "engine", "finished_at")
+    runs = []
+    for path in paths:
+        log = path.with_name(path.name + ".runs.jsonl")
+        for run in map(json.loads, log.read_text().splitlines() if log.is_file() else []):
+            runs.append({"output": str(path), **{k: run.get(k) for k in keep}})
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--regen", type=Path, nargs="+", required=True)
@@ -118,15 +130,7 @@ def main() -> None:
     }
     if args.synth_report and args.synth_report.is_file():
         out["synthesized"] = json.loads(args.synth_report.read_text())
-    # `dflash data regenerate` logs each run of a job beside its output.
-    keep = ("seconds", "new_tokens", "tokens_per_second", "written", "already_done")
-    keep += ("continued", "cut_at_interrupt", "time_limit_reached", "engine", "finished_at")
-    logged = [
-        {"output": str(path), **{k: r.get(k) for k in keep}}
-        for path in args.regen
-        if path.with_name(path.name + ".runs.jsonl").is_file()
-        for r in map(json.loads, path.with_name(path.name + ".runs.jsonl").read_text().splitlines())
-    ]
+    logged = logged_runs(args.regen)
     if logged:
         out["regeneration_runs"] = logged
     if args.extra and args.extra.is_file():
