@@ -13,8 +13,9 @@
 # Inputs: the SmolLM2 asset package; for step 1 the corpora of docs/data-sources.md; the
 #   eval sets of docs/assets.md (decontamination).
 # Knobs: MODEL (asset:smollm2-135m-instruct), PROMPTS, SYNTH_N (20000), MAX_NEW_TOKENS (512),
-#   MAX_CONVERSATION_TOKENS (4096), DEVICE (cuda), REGEN_SECONDS (0 = to the end; at the limit every answered
-#   turn is kept and a rerun resumes), SEED (0), OUT (benchmarks/out/data_scale),
+#   MAX_CONVERSATION_TOKENS (4096), DEVICE (cuda), REGEN_SECONDS (0 = to the end; at the
+#   limit every answered turn is kept and a rerun resumes), SEED (0), OUT
+#   (benchmarks/out/data_scale),
 #   ENGINE_ARGS (engine settings of both synthesis and regeneration: "--batch-size 1024
 #   --compile-decode", the fastest of benchmarks/gpu/regenerate_speed.sh), REGEN_ARGS (more
 #   `dflash data regenerate` flags, e.g. --stop-loops: answers that loop end there, about 38%

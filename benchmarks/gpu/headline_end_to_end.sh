@@ -194,20 +194,16 @@ headline() {  # every checkpoint kept: the steps stage serves each one
 finish() {
   EVALS="t1 eager" EAGER_SETS=gsm8k EAGER_SAMPLES="${EAGER_SAMPLES:-10}" full_run && pack_drafter
 }
-block8() {  # exported beside the run, not published
-  local attention
-  # PUBLISH before OUT: an assignment word sees the ones before it on the line.
-  attention="$(target_attention)" && PUBLISH="$OUT/block8/export" DATA="$OUT/data/prep_mask" \
-    OUT="$OUT/block8" EVALS=t0 MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" \
-    EXTRA="drafter.block_size=8 training.gamma=4.0 training.target_attention=$attention \
-      ${HEADLINE_EXTRA:-}" bash benchmarks/gpu/headline.sh
+block8() {  # the same run at block size 8, exported beside it, not published
+  PUBLISH="$OUT/block8/export" EVALS=t0 \
+    full_run block8 "drafter.block_size=8 training.gamma=4.0"
 }
 
-full_run() {
-  local attention
+full_run() {  # run dir under $OUT (headline), its training overrides (every checkpoint kept)
+  local name="${1:-headline}" extra="${2:-training.keep_last=64}" attention
   attention="$(target_attention)" && echo "target attention: $attention" \
-    && DATA="$OUT/data/prep_mask" OUT="$OUT/headline" MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" \
-      EXTRA="training.keep_last=64 training.target_attention=$attention ${HEADLINE_EXTRA:-}" \
+    && DATA="$OUT/data/prep_mask" OUT="$OUT/$name" MAX_NEW_TOKENS="$EVAL_NEW_TOKENS" \
+      EXTRA="$extra training.target_attention=$attention ${HEADLINE_EXTRA:-}" \
       bash benchmarks/gpu/headline.sh
 }
 
