@@ -19,6 +19,7 @@ def make_spec(
     layer_types: tuple[str, ...] | None = None,
     window: int | None = None,
     n_tapped: int = 3,
+    **extra: object,
 ) -> DrafterSpec:
     return DrafterSpec(
         hidden_size=hidden,
@@ -38,6 +39,7 @@ def make_spec(
         sliding_window=window,
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
+        **extra,  # type: ignore[arg-type]
     )
 
 

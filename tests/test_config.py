@@ -39,7 +39,7 @@ def test_dotted_overrides_parse_yaml_values():
         ("training.lrr=1", r"training\.lrr: unknown key; valid keys of training are"),
         ("training.lr=fast", r"training\.lr: expected a number, got 'fast'"),
         ("training.lr=-1", r"training\.lr: must be in \(0, 1\], got -1\.0"),
-        ("training.loss=mse", r"training\.loss: must be one of \['ce', 'kl'\]"),
+        ("training.loss=mse", r"training\.loss: must be one of \['ce', 'kl', 'lk'\]"),
         ("drafter.block_size=1", r"drafter\.block_size: must be in \[2, 256\]"),
         ("trainig.lr=1", r"must start with a section"),
         ("training.lr", r"expected section\.field=value"),

@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
+from dflash_trainer.core.fused_head import fused_linear_loss, reference_linear_loss
 from dflash_trainer.core.loss import (
     acceptance_metrics,
     decay_weights,
     dflash_loss,
     dpace_weights,
-    fused_linear_loss,
-    reference_linear_loss,
 )
 
 

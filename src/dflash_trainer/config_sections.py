@@ -104,7 +104,19 @@ class DrafterConfig:
     layer_class: Literal["qwen3", "llama"] = "qwen3"
     """qwen3: head_dim is free; llama: head_dim = hidden_size / num_attention_heads."""
     init_from: str | None = setting(None, min_len=1, path=True)
-    """Start from an exported/imported drafter directory (fine-tuning a published drafter)."""
+    """Start from an exported/imported drafter directory (fine-tuning a published drafter, or a
+    DFlash2 drafter from a trained DFlash one: its new modules start as exact no-ops)."""
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """dflash: the block drafter; dflash2: the same backbone plus a grouped dynamic convolution
+    around each attention and MLP sublayer and a candidate selector (docs/algorithm.md)."""
+    conv_kernel_size: int = setting(2, lo=1, hi=256, why="taps: the slot itself + earlier slots")
+    """DFlash2: taps of each convolution (2 = the slot and the one before it, in its block)."""
+    conv_group_size: int = setting(16, lo=1, hi=2**16)
+    """DFlash2: channels sharing one content-dependent coefficient (must divide hidden_size)."""
+    selector_rank: int = setting(256, lo=1, hi=2**14)
+    """DFlash2: width of the selector's two token codebooks and of its hidden projection."""
+    selector_top_k: int = setting(16, lo=1, hi=2**12)
+    """DFlash2: candidates per drafted slot that the selector chooses among."""
 
     def __post_init__(self) -> None:
         check_section(self, "drafter")
@@ -124,6 +136,13 @@ class DrafterConfig:
                     "layer_types has sliding_attention layers but sliding_window is unset; "
                     "set drafter.sliding_window (e.g. 2048)",
                 )
+
+        if self.kind == "dflash2" and self.conv_kernel_size > self.block_size:
+            fail(
+                "drafter.conv_kernel_size",
+                f"{self.conv_kernel_size} taps exceed drafter.block_size={self.block_size}: a "
+                "tap never reaches outside its block; use at most block_size taps (default 2)",
+            )
 
     def resolved_layer_types(self) -> tuple[str, ...]:
         return self.layer_types or ("full_attention",) * self.num_layers
@@ -230,8 +249,13 @@ class TrainingConfig:
     """Anchors sampled per packed step."""
     noise_std: float = setting(0.05, lo=0, hi=100, why="0 disables noise")
     """Half-width s of the U(-s, s) noise on context features (training only)."""
-    loss: Literal["ce", "kl"] = "ce"
-    """Per-slot loss: cross-entropy to a hard label, or KL to the target distribution (fp32)."""
+    loss: Literal["ce", "kl", "lk"] = "ce"
+    """Per-slot loss: cross-entropy to a hard label, KL to the target distribution (fp32), or
+    lk: minus the expected accepted length built from per-slot acceptance 1 - TV(draft, target)."""
+    lk_weight: float = setting(0.0, lo=0, hi=1e6, why="0 = off")
+    """Weight of the acceptance-direct (lk) term added to a ce or kl loss."""
+    selector_loss_weight: float = setting(1.0, lo=0, hi=1e6, why="0 leaves the selector untrained")
+    """DFlash2: weight of the selector's K-way cross-entropy beside the block loss."""
     labels: Literal["target", "data"] = "target"
     """What a slot learns: the target's own prediction, or the dataset token."""
     weighting: Literal["decay", "dpace"] = "decay"
@@ -282,14 +306,29 @@ class TrainingConfig:
                 "dpace weights are defined from cross-entropy confidences; set training.loss=ce "
                 "or training.weighting=decay",
             )
-        if self.loss == "kl" and self.labels == "data":
+        if self.loss in ("kl", "lk") and self.labels == "data":
             fail(
                 f"{p}.loss",
-                "kl needs the target's distribution; with training.labels=data use loss=ce",
+                f"{self.loss} needs the target's distribution; with training.labels=data use "
+                "loss=ce",
             )
+        if self.lk_weight > 0 and self.labels == "data":
+            fail(
+                f"{p}.lk_weight",
+                "the lk term needs the target's distribution; with training.labels=data set "
+                "lk_weight=0",
+            )
+        if self.lk_weight > 0 and self.loss == "lk":
+            fail(f"{p}.lk_weight", "loss=lk is the lk term alone; set lk_weight=0 or loss=ce/kl")
         d = self.device
         if d not in ("auto", "cpu", "cuda") and not (d.startswith("cuda:") and d[5:].isdigit()):
             fail(f"{p}.device", f"use auto, cpu, cuda or cuda:N, got {d!r}")
+
+    @property
+    def target_distribution(self) -> bool:
+        """Whether the loss reads the target's whole next-token distribution (kl, lk), not
+        only its argmax: the step then carries the target's final hidden states."""
+        return self.loss in ("kl", "lk") or self.lk_weight > 0
 
     def resolved_gamma(self, block_size: int) -> float:
         if self.gamma is not None:

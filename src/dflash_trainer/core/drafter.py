@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_trainer.core.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.core.masks import inference_mask
 
@@ -180,6 +181,12 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(spec.hidden_size, spec.intermediate_size)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
+        if spec.is_dflash2:
+            k, g = spec.conv_kernel_size, spec.conv_group_size
+            self.attention_conv = GroupedDynamicConv(spec.hidden_size, k, g)
+            self.mlp_conv = GroupedDynamicConv(spec.hidden_size, k, g)
 
     def forward(
         self,
@@ -189,16 +196,37 @@ class DrafterLayer(nn.Module):
         sin_q: torch.Tensor,
         mask: Any,
         attn_fn: AttentionFn,
+        block_len: int = 0,
     ) -> torch.Tensor:
+        """`block_len`: slots per block of the rows (DFlash2's convolutions stay inside it)."""
         # The context's K/V are projected here, inside the layer's own forward, so that
         # wrappers that gather parameters around forward (FSDP2) see every use.
         if isinstance(ctx, RawContext):
             ctx_k, ctx_v = self.self_attn.keys_values(ctx.hidden_TH, ctx.cos, ctx.sin)
         else:
             ctx_k, ctx_v = ctx
-        x = self.input_layernorm(h_QH)
-        h_QH = h_QH + self.self_attn(x, ctx_k, ctx_v, cos_q, sin_q, mask, attn_fn)
-        return h_QH + self.mlp(self.post_attention_layernorm(h_QH))
+
+        def attn(x: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(x, ctx_k, ctx_v, cos_q, sin_q, mask, attn_fn)
+
+        h_QH = h_QH + _around(self.attention_conv, attn, self.input_layernorm(h_QH), block_len)
+        x = self.post_attention_layernorm(h_QH)
+        return h_QH + _around(self.mlp_conv, self.mlp, x, block_len)
+
+
+def _around(
+    conv: GroupedDynamicConv | None,
+    sublayer: Callable[[torch.Tensor], torch.Tensor],
+    x_QH: torch.Tensor,
+    block_len: int,
+) -> torch.Tensor:
+    """sublayer(x), or with DFlash2 its two-sided convolution: conv_out(sublayer(conv_in(x)))
+    with both sides' coefficients predicted from x. The context's K/V never pass through it."""
+    if conv is None:
+        return sublayer(x_QH)
+    d = conv.coefficients(x_QH)
+    y = sublayer(conv.apply_side(0, x_QH, d, block_len))
+    return conv.apply_side(1, y, d, block_len)
 
 
 @dataclass
@@ -227,6 +255,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.candidate_selector: CandidateSelector | None = None
+        if spec.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                spec.hidden_size, spec.vocab_size, spec.selector_rank
+            )
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -237,6 +270,11 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        # After the generic pass (which would re-draw their linears): DFlash2's modules
+        # start as exact no-ops.
+        for m in self.modules():
+            if isinstance(m, (GroupedDynamicConv, CandidateSelector)):
+                m.reset_parameters()
 
     @property
     def drafter_layers(self) -> list[DrafterLayer]:
@@ -269,10 +307,12 @@ class DFlashDrafter(nn.Module):
         positions_Q: torch.Tensor,
         masks: dict[str, Any],
         attn_fn: AttentionFn,
+        block_len: int,
     ) -> torch.Tensor:
+        """The layers over block rows [Q, H] (whole blocks of `block_len` slots), normed."""
         cos_q, sin_q = self.rotary(positions_Q)
         for layer, c, kind in zip(self.layers, ctx, self.spec.layer_types):
-            h_QH = layer(h_QH, c, cos_q, sin_q, masks[kind], attn_fn)
+            h_QH = layer(h_QH, c, cos_q, sin_q, masks[kind], attn_fn, block_len)
         return self.norm(h_QH)
 
     def forward(
@@ -292,7 +332,8 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features_TF)
         cos, sin = self.rotary(ctx_positions_T)
         raw = [RawContext(ctx, cos, sin)] * len(self.layers)
-        return self.run_layers(block_emb_QH, raw, block_positions_Q, masks, attn_fn)
+        b = self.spec.block_size
+        return self.run_layers(block_emb_QH, raw, block_positions_Q, masks, attn_fn, b)
 
     # ------------------------------------------------------------------ inference
 
@@ -346,7 +387,7 @@ class DFlashDrafter(nn.Module):
             kv: list[ContextInput] = [(empty, empty) for _ in self.layers]
         else:
             kv = list(zip(cache.keys, cache.values))
-        return self.run_layers(block_emb_BH, kv, positions, masks, sdpa_attention)
+        return self.run_layers(block_emb_BH, kv, positions, masks, sdpa_attention, b)
 
 
 def count_parameters(module: nn.Module) -> int:

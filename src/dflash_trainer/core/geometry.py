@@ -42,6 +42,16 @@ class DrafterSpec:
     max_position_embeddings: int
     hidden_act: str = "silu"
     attention_bias: bool = False
+    kind: str = "dflash"
+    """dflash | dflash2 (the four fields below are read only for dflash2)."""
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.kind == "dflash2"
 
     @property
     def num_context_features(self) -> int:
@@ -59,6 +69,53 @@ class DrafterSpec:
         d["target_layer_ids"] = tuple(d["target_layer_ids"])
         d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
+
+
+DFLASH2_FIELDS = ("kind", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def init_differences(theirs: DrafterSpec, mine: DrafterSpec) -> dict[str, tuple[Any, Any]]:
+    """Fields in which a drafter to start from differs from this run's: {field: (theirs, mine)}.
+
+    A DFlash drafter may start a DFlash2 run: the backbone must match and the new modules
+    start as no-ops, so the DFlash2 fields are not compared then.
+    """
+    skip = DFLASH2_FIELDS if (theirs.kind, mine.kind) == ("dflash", "dflash2") else ()
+    a, b = theirs.to_dict(), mine.to_dict()
+    return {k: (a[k], b[k]) for k in a if k not in skip and a[k] != b[k]}
+
+
+def dflash2_problems(spec: DrafterSpec) -> list[str]:
+    """What makes a DFlash2 spec unbuildable, each with its fix (empty for DFlash).
+
+    The doctor reports all of them; resolve_drafter_spec raises the first.
+    """
+    if not spec.is_dflash2:
+        return []
+    out = []
+    h, g = spec.hidden_size, spec.conv_group_size
+    if h % g != 0:
+        out.append(
+            f"drafter.conv_group_size={g} does not divide hidden_size={h} ({h} % {g} = "
+            f"{h % g}): each group of channels shares one coefficient; pick a divisor "
+            f"(e.g. {_divisor_near(h, g)})"
+        )
+    if spec.conv_kernel_size > spec.block_size:
+        out.append(
+            f"drafter.conv_kernel_size={spec.conv_kernel_size} exceeds block_size="
+            f"{spec.block_size}: taps never leave their block; use at most block_size"
+        )
+    if spec.selector_top_k > spec.vocab_size:
+        out.append(
+            f"drafter.selector_top_k={spec.selector_top_k} exceeds the target vocabulary "
+            f"({spec.vocab_size} tokens); use at most the vocabulary size (default 16)"
+        )
+    return out
+
+
+def _divisor_near(n: int, want: int) -> int:
+    """The divisor of n closest to `want` (a suggestion in an error message)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 
 
 def default_target_layer_ids(num_hidden_layers: int, n: int) -> tuple[int, ...]:
@@ -207,7 +264,7 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
     mask_token_id = _mask_token_id(dcfg, vocab)
 
     intermediate = dcfg.intermediate_size or int(getattr(t, "intermediate_size", 4 * hidden))
-    return DrafterSpec(
+    spec = DrafterSpec(
         hidden_size=hidden,
         vocab_size=vocab,
         target_hidden_size=hidden,
@@ -227,7 +284,16 @@ def resolve_drafter_spec(dcfg: DrafterConfig, target_hf_config: Any) -> DrafterS
         max_position_embeddings=int(
             dcfg.max_position_embeddings or getattr(t, "max_position_embeddings", None) or 32768
         ),
+        kind=dcfg.kind,
+        conv_kernel_size=dcfg.conv_kernel_size,
+        conv_group_size=dcfg.conv_group_size,
+        selector_rank=dcfg.selector_rank,
+        selector_top_k=dcfg.selector_top_k,
     )
+    problems = dflash2_problems(spec)
+    if problems:
+        raise ConfigError(problems[0])
+    return spec
 
 
 def _mask_token_id(dcfg: DrafterConfig, vocab: int) -> int:

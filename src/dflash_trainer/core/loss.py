@@ -1,148 +1,32 @@
-"""Slot losses, weights and acceptance metrics (docs/algorithm.md section 4).
+"""The DFlash objective: slot weights, the block loss and its extra terms, and the
+acceptance metrics (docs/algorithm.md section 4).
 
 Shape legend: N = anchors, B = block size, R = rows (valid slots, gathered),
-H = hidden size, V = vocab.
+H = hidden size, V = vocab, K = candidates per slot.
 
-The lm_head over all slots would be a [R, V] fp32 tensor (512*15*248320 floats is
-7.6 GB), so `fused_linear_loss` never materialises it: it walks the rows in chunks,
-computes each chunk's logits, per-row loss, argmax and the gradient w.r.t. the
-hidden rows at once, and keeps only the [R, H] gradient for the backward (which then
-costs nothing but a scale). This is one lm_head matmul forward and one backward per
-chunk, against three for recompute-in-backward, and its peak is one chunk of logits.
-The lm_head is the frozen target's: no weight gradient is formed.
+The lm_head and everything read from its logits per row (loss, argmax, acceptance
+probability, top-K candidates) is `core.fused_head` (chunked, never [R, V] at once).
+Here the per-row outputs are laid back on the [N, B] grid of blocks and combined:
 
-Logits are upcast to fp32 before softmax; KL uses fp32 probabilities of both sides,
-because in bf16 `p_draft - p_target` cancels badly.
+    loss = block loss (ce or kl, decay or dpace weights)          training.loss ce | kl
+         + lk_weight * lk                                          the acceptance-direct term
+         + selector_loss_weight * selector CE                      DFlash2 only
+
+with lk = - mean over blocks of E[accepted] = sum_k prod_{j <= k} alpha_j, alpha_j =
+1 - TV(draft_j, target_j) (training.loss lk: that term alone). The standard step gathers
+the valid rows before the head; the fast step (train/fast_loss.py) sends every row and
+lets zero weights mask the rest; both combine through `combine_terms`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-# -------------------------------------------------------------- fused lm_head + loss
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32 (bf16/fp16 logits -> fp32; fp64 stays fp64 for the tests)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _chunk_loss_and_grad(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor | None,
-    target_h: torch.Tensor | None,
-    want_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(loss [r] fp32, pred [r], label [r], grad_h [r, H] or None) for one chunk."""
-    logits = _upcast(h @ weight.t())
-    logp = torch.log_softmax(logits, dim=-1)
-    pred = logits.argmax(-1)
-    if target_h is not None:
-        t_logp = torch.log_softmax(_upcast(target_h @ weight.t()), dim=-1)
-        t_p = t_logp.exp()
-        loss = (t_p * (t_logp - logp)).sum(-1)
-        label = t_logp.argmax(-1)
-        grad_logits = logp.exp() - t_p if want_grad else None
-    else:
-        assert labels is not None
-        label = labels
-        loss = -logp.gather(1, labels[:, None]).squeeze(1)
-        if want_grad:
-            grad_logits = logp.exp()
-            grad_logits.scatter_add_(1, labels[:, None], torch.full_like(loss[:, None], -1.0))
-        else:
-            grad_logits = None
-    grad_h = (
-        (grad_logits.to(weight.dtype) @ weight).to(h.dtype) if grad_logits is not None else None
-    )
-    return loss, pred, label, grad_h
-
-
-class _FusedLinearLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor | None,
-        target_h: torch.Tensor | None,
-        chunk_rows: int,
-        want_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        r = h.shape[0]
-        loss = h.new_empty(r, dtype=torch.promote_types(h.dtype, torch.float32))
-        pred = torch.empty(r, dtype=torch.long, device=h.device)
-        label = torch.empty(r, dtype=torch.long, device=h.device)
-        grad_h = torch.empty_like(h) if want_grad else None
-        for s in range(0, r, chunk_rows):
-            e = min(r, s + chunk_rows)
-            lab = labels[s:e] if labels is not None else None
-            th = target_h[s:e] if target_h is not None else None
-            cl, cp, cy, cg = _chunk_loss_and_grad(h[s:e], weight, lab, th, want_grad)
-            loss[s:e] = cl
-            pred[s:e] = cp
-            label[s:e] = cy
-            if grad_h is not None and cg is not None:
-                grad_h[s:e] = cg
-        ctx.save_for_backward(grad_h if grad_h is not None else h.new_empty(0))
-        ctx.mark_non_differentiable(pred, label)
-        return loss, pred, label
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, _gp: Any, _gl: Any) -> tuple[Any, ...]:
-        (grad_h,) = ctx.saved_tensors
-        if grad_h.numel() == 0:
-            raise RuntimeError("fused_linear_loss was run without want_grad but is differentiated")
-        return (grad_h * grad_loss[:, None].to(grad_h.dtype), None, None, None, None, None)
-
-
-def fused_linear_loss(
-    hidden_RH: torch.Tensor,
-    lm_head_weight_VH: torch.Tensor,
-    labels_R: torch.Tensor | None = None,
-    target_hidden_RH: torch.Tensor | None = None,
-    chunk_rows: int = 2048,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss [R] (fp32), drafter argmax [R] and label [R] of lm_head(hidden_RH).
-
-    CE against `labels_R`, or KL(target || draft) when `target_hidden_RH` (the target's
-    final normed hidden state at the predicting position) is given; then the label is
-    the target's argmax. Differentiable w.r.t. hidden_RH only.
-    """
-    if (labels_R is None) == (target_hidden_RH is None):
-        raise ValueError("give exactly one of labels_R (ce) or target_hidden_RH (kl)")
-    if lm_head_weight_VH.requires_grad:
-        raise ValueError("the target lm_head is frozen: pass lm_head.weight.detach()")
-    want_grad = torch.is_grad_enabled() and hidden_RH.requires_grad
-    # Compute in the lm_head's dtype: casting the [R, H] rows is cheap, casting a
-    # bf16 [V, H] head to fp32 would copy gigabytes. Logits are upcast per chunk.
-    w = lm_head_weight_VH
-    th = target_hidden_RH.to(w.dtype) if target_hidden_RH is not None else None
-    with torch.autocast(hidden_RH.device.type, enabled=False):
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _FusedLinearLoss.apply(
-            hidden_RH.to(w.dtype), w, labels_R, th, chunk_rows, want_grad
-        )
-    return out
-
-
-def reference_linear_loss(
-    hidden_RH: torch.Tensor,
-    lm_head_weight_VH: torch.Tensor,
-    labels_R: torch.Tensor | None = None,
-    target_hidden_RH: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Unchunked autograd version (tests)."""
-    logp = torch.log_softmax(_upcast(hidden_RH @ lm_head_weight_VH.t()), -1)
-    if target_hidden_RH is not None:
-        t_logp = torch.log_softmax(_upcast(target_hidden_RH @ lm_head_weight_VH.t()), -1)
-        return (t_logp.exp() * (t_logp - logp)).sum(-1)
-    assert labels_R is not None
-    return -logp.gather(1, labels_R[:, None]).squeeze(1)
-
+from dflash_trainer.core.dflash2 import CandidateSelector
+from dflash_trainer.core.fused_head import HeadRows, HeadSettings, fused_head
+from dflash_trainer.core.selector_loss import selector_terms
 
 # ------------------------------------------------------------------------ weights
 
@@ -216,9 +100,171 @@ def acceptance_metrics(
 @dataclass(frozen=True)
 class LossResult:
     loss: torch.Tensor
-    """Scalar: sum(w * l) / sum(w) over valid slots (0, with a graph, when none)."""
+    """Scalar: the weighted sum of the objective's terms (0, with a graph, when no slot)."""
     metrics: dict[str, torch.Tensor]
-    """Detached: ce/kl mean, slot_acc [B-1], slot_count, exact_tau, expected_tau, accuracy."""
+    """Detached: mean_loss, slot_acc [B-1], slot_count, exact_tau, expected_tau, accuracy,
+    and per term its loss and acceptance (base_loss, lk_loss, lk_tau, selector_loss,
+    candidate_recall, selector_accuracy, selector_tau, oracle_tau)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the step optimises (from training.* and the drafter kind)."""
+
+    loss: str = "ce"
+    """ce | kl | lk."""
+    weighting: str = "decay"
+    gamma: float = 7.0
+    dpace_alpha: float = 0.5
+    chunk_rows: int = 2048
+    lk_weight: float = 0.0
+    selector_weight: float = 1.0
+    top_k: int = 0
+    """Candidates per slot for DFlash2's selector (0: DFlash)."""
+
+    def head(self) -> HeadSettings:
+        lk = self.loss == "lk" or self.lk_weight > 0
+        return HeadSettings(
+            base="kl" if self.loss == "kl" else "ce",
+            loss_grad=self.loss != "lk",
+            alpha=lk,
+            top_k=self.top_k,
+            chunk_rows=self.chunk_rows,
+        )
+
+
+@dataclass(frozen=True)
+class GridRows:
+    """`HeadRows` laid on the [N, B] grid (rows of invalid slots hold anything finite)."""
+
+    loss_NB: torch.Tensor
+    pred_NB: torch.Tensor
+    label_NB: torch.Tensor
+    alpha_NB: torch.Tensor | None
+    cand_ids_NBK: torch.Tensor | None
+    cand_logits_NBK: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DFlash2Inputs:
+    """What the selector term reads beside the head's rows."""
+
+    selector: CandidateSelector
+    anchor_ids_N: torch.Tensor
+    hidden_NBH: torch.Tensor
+
+
+def slot_weights(grid: GridRows, valid_NB: torch.Tensor, obj: Objective) -> torch.Tensor:
+    if obj.weighting == "dpace":
+        return dpace_weights(grid.loss_NB.detach(), valid_NB, obj.dpace_alpha)
+    if obj.weighting == "decay":
+        return decay_slot_weights(valid_NB, obj.gamma, grid.loss_NB.dtype)
+    raise ValueError(f"unknown weighting {obj.weighting!r}; use decay or dpace")
+
+
+def lk_term(
+    alpha_NB: torch.Tensor, valid_NB: torch.Tensor, real_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-mean E[accepted drafts], mean E[tau]) over real blocks.
+
+    E[accepted] = sum_k prod_{j <= k} alpha_j over slots 1..B-1; an invalid slot has
+    alpha 0, so a block's expectation stops where its supervision does.
+    """
+    a = torch.where(valid_NB, alpha_NB, torch.zeros_like(alpha_NB))[:, 1:]
+    expected = torch.cumprod(a, dim=-1).sum(-1)
+    real = real_N.to(expected.dtype)
+    mean = (expected * real).sum() / real.sum().clamp(min=1)
+    return -mean, 1 + mean.detach()
+
+
+def combine_terms(
+    grid: GridRows,
+    valid_NB: torch.Tensor,
+    real_N: torch.Tensor,
+    obj: Objective,
+    dflash2: DFlash2Inputs | None,
+    hidden_for_graph: torch.Tensor,
+) -> LossResult:
+    """The objective's terms and metrics from the per-slot rows (no host reads)."""
+    w = slot_weights(grid, valid_NB, obj)
+    denom = w.sum()
+    loss_NB = torch.where(valid_NB, grid.loss_NB, torch.zeros_like(grid.loss_NB))
+    # No weight at all: the numerator is an exact 0 (and keeps the graph), so 0 / tiny = 0.
+    base = (w * loss_NB).sum() / denom.clamp(min=torch.finfo(denom.dtype).tiny)
+    metrics = acceptance_metrics_fixed(grid.pred_NB == grid.label_NB, valid_NB, real_N)
+    total = hidden_for_graph.sum() * 0.0
+    if obj.loss != "lk":
+        total = total + base
+    if grid.alpha_NB is not None:
+        lk, lk_tau = lk_term(grid.alpha_NB, valid_NB, real_N)
+        total = total + (lk if obj.loss == "lk" else obj.lk_weight * lk)
+        metrics["lk_loss"], metrics["lk_tau"] = lk, lk_tau
+    if dflash2 is not None:
+        assert grid.cand_ids_NBK is not None and grid.cand_logits_NBK is not None
+        sel_loss, sel_metrics = selector_terms(
+            dflash2.selector,
+            dflash2.hidden_NBH,
+            dflash2.anchor_ids_N,
+            grid.label_NB,
+            grid.cand_ids_NBK,
+            grid.cand_logits_NBK,
+            valid_NB,
+            real_N,
+            w.detach(),
+        )
+        total = total + obj.selector_weight * sel_loss
+        metrics.update(sel_metrics)
+    per_slot = valid_NB.sum(0)[1:].clamp(min=1)
+    metrics["base_loss"] = base
+    metrics["slot_loss"] = (loss_NB * valid_NB).sum(0)[1:] / per_slot
+    metrics["mean_loss"] = loss_NB.sum() / valid_NB.sum().clamp(min=1)
+    metrics["valid_slots"] = valid_NB.sum()
+    metrics["weight_sum"] = denom
+    return LossResult(loss=total, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def acceptance_metrics_fixed(
+    correct_NB: torch.Tensor, valid_NB: torch.Tensor, real_N: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """`acceptance_metrics` without boolean indexing (same values, no host reads)."""
+    ok = (correct_NB & valid_NB)[:, 1:]
+    run = torch.cumprod(ok.long(), dim=-1).sum(-1)
+    real = real_N.float()
+    n_real = real.sum().clamp(min=1)
+    valid_k = valid_NB[:, 1:].sum(0)
+    acc_k = ok.sum(0).float() / valid_k.clamp(min=1).float()
+    return {
+        "slot_acc": acc_k,
+        "slot_count": valid_k,
+        "exact_tau": ((1 + run.float()) * real).sum() / n_real,
+        "expected_tau": 1 + torch.cumprod(acc_k, 0).sum(),
+        "accuracy": ok.sum().float() / valid_k.sum().clamp(min=1).float(),
+        "anchors": real.sum(),
+    }
+
+
+def grid_from_rows(rows: HeadRows, where_R: torch.Tensor | None, n: int, b: int) -> GridRows:
+    """Lay per-row outputs on [N, B]: row r goes to flat slot where_R[r] (None: all, in order)."""
+
+    def lay(x: torch.Tensor | None, fill: float | int = 0) -> torch.Tensor | None:
+        if x is None:
+            return None
+        if where_R is None:
+            return x.view(n, b, *x.shape[1:])
+        out = x.new_full((n * b, *x.shape[1:]), fill)
+        out = out.index_put((where_R,), x)
+        return out.view(n, b, *x.shape[1:])
+
+    loss, pred, label = lay(rows.loss), lay(rows.pred), lay(rows.label)
+    assert loss is not None and pred is not None and label is not None
+    return GridRows(
+        loss,
+        pred,
+        label,
+        lay(rows.alpha),
+        lay(rows.cand_ids),
+        lay(rows.cand_logits),
+    )
 
 
 def dflash_loss(
@@ -232,47 +278,37 @@ def dflash_loss(
     gamma: float = 7.0,
     dpace_alpha: float = 0.5,
     chunk_rows: int = 2048,
+    objective: Objective | None = None,
+    dflash2: DFlash2Inputs | None = None,
 ) -> LossResult:
-    """The DFlash objective over all blocks of a step.
+    """The objective over all blocks of a step; only valid slots go through the lm_head.
 
-    Only valid slots go through the lm_head. `labels_NB` (ce: target argmax or dataset
-    token) or `target_hidden_NBH` (kl: target's final hidden state at a+k-1).
+    `labels_NB` (ce: target argmax or dataset token) and/or `target_hidden_NBH` (the
+    target's final hidden state at a+k-1: kl, lk, and the label when labels_NB is None).
+    `objective` None: ce with labels, or kl with the target's hidden states, weighted as
+    the keyword arguments say.
     """
+    if objective is None:
+        loss = "ce" if labels_NB is not None else "kl"
+        objective = Objective(loss, weighting, gamma, dpace_alpha, chunk_rows)
     n, b, h = hidden_NBH.shape
     rows = valid_NB.reshape(-1).nonzero().squeeze(1)
     flat_h = hidden_NBH.reshape(n * b, h)[rows]
     labels = labels_NB.reshape(-1)[rows] if labels_NB is not None else None
     t_h = target_hidden_NBH.reshape(n * b, -1)[rows] if target_hidden_NBH is not None else None
-    if rows.numel() > 0:
-        row_loss, pred, label = fused_linear_loss(
-            flat_h, lm_head_weight_VH, labels, t_h, chunk_rows
+    if rows.numel() == 0:
+        # Nothing supervised: an exact 0 that keeps the graph, and zero metrics.
+        zero_grid = GridRows(
+            hidden_NBH.new_zeros(n, b, dtype=torch.float32),
+            valid_NB.long(),
+            valid_NB.long() + 1,
+            None,
+            None,
+            None,
         )
-    else:
-        row_loss = flat_h.new_zeros(0, dtype=torch.promote_types(flat_h.dtype, torch.float32))
-        pred = label = rows
-
-    dev = hidden_NBH.device
-    loss_NB = row_loss.new_zeros(n * b).index_put((rows,), row_loss)
-    loss_NB = loss_NB.view(n, b)
-    correct = torch.zeros(n * b, dtype=torch.bool, device=dev)
-    correct[rows] = pred == label
-    correct_NB = correct.view(n, b)
-
-    if weighting == "dpace":
-        w = dpace_weights(loss_NB.detach(), valid_NB, dpace_alpha)
-    elif weighting == "decay":
-        w = decay_slot_weights(valid_NB, gamma, loss_NB.dtype)
-    else:
-        raise ValueError(f"unknown weighting {weighting!r}; use decay or dpace")
-    denom = w.sum()
-    # An all-masked step: 0 * sum keeps the graph connected, no 0/0.
-    loss = (w * loss_NB).sum() / denom if float(denom) > 0 else hidden_NBH.sum() * 0.0
-
-    metrics = acceptance_metrics(correct_NB, valid_NB, real_N)
-    metrics["slot_loss"] = (loss_NB * valid_NB).sum(0)[1:].detach() / valid_NB.sum(0)[1:].clamp(
-        min=1
-    )
-    metrics["mean_loss"] = row_loss.detach().mean() if rows.numel() else torch.zeros((), device=dev)
-    metrics["valid_slots"] = valid_NB.sum()
-    metrics["weight_sum"] = denom
-    return LossResult(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+        return combine_terms(
+            zero_grid, valid_NB, real_N, Objective(weighting=objective.weighting), None, hidden_NBH
+        )
+    head = fused_head(flat_h, lm_head_weight_VH, labels, t_h, objective.head())
+    grid = grid_from_rows(head, rows, n, b)
+    return combine_terms(grid, valid_NB, real_N, objective, dflash2, hidden_NBH)

@@ -19,6 +19,7 @@ from dflash_trainer.core.geometry import (
     DrafterSpec,
     attention_geometry,
     default_target_layer_ids,
+    init_differences,
     resolve_drafter_spec,
     target_layer_ids,
 )
@@ -316,11 +317,7 @@ def check_init_from(cfg: Config, t: Any) -> list[Check]:
         mine = resolve_drafter_spec(cfg.drafter, t)
     except ConfigError:
         return []  # the geometry checks above already fail
-    diffs = {
-        k: (v, getattr(mine, k))
-        for k, v in theirs.to_dict().items()
-        if getattr(mine, k) != (tuple(v) if isinstance(v, list) else v)
-    }
+    diffs = init_differences(theirs, mine)
     if diffs:
         shown = ", ".join(f"{k}: {a} there vs {b} here" for k, (a, b) in sorted(diffs.items()))
         return [

@@ -319,7 +319,9 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
             )
             for kind in set(spec.layer_types)
         }
-        hidden = m.run_layers(block, ctx, self.anchor_pos + self._slots, masks, sdpa_attention)
+        hidden = m.run_layers(
+            block, ctx, self.anchor_pos + self._slots, masks, sdpa_attention, self.block_size
+        )
         w = self.target.lm_head_weight
         return (hidden[1:].to(w.dtype) @ w.t()).argmax(-1)
 

@@ -32,10 +32,12 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.core.loss import DFlash2Inputs
 from dflash_trainer.core.masks import Intervals, build_block_mask, intervals_to_dense
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.batching import Position
+from dflash_trainer.train.distributed import unwrap
 from dflash_trainer.train.fast_layout import (
     AUTO_MAX_TARGET_PARAMS,
     HostStep,
@@ -200,7 +202,7 @@ class FastStep:
         else:
             assert self.runner.final is not None
             rows = self.runner.final[pred.reshape(-1)]
-            if self.st.loss == "kl":
+            if self.st.target_distribution:
                 th = self._to(rows.view(*pred.shape, -1))
             else:
                 labels = self._to(tgt.argmax_at(rows).view(pred.shape))
@@ -217,7 +219,8 @@ class FastStep:
             lo, hi, blo, bhi = (self._to(p) for p in parts)
             iv = Intervals(lo, hi, blo, bhi, kv_len)
             masks[kind] = build_block_mask(iv) if tr.compile else intervals_to_dense(iv)
-        emb = tr._embed_on_drafter(self._to(hs.block_ids_NB).reshape(-1)).detach()
+        block_ids = self._to(hs.block_ids_NB)
+        emb = tr._embed_on_drafter(block_ids.reshape(-1)).detach()
         # Noise is drawn from the micro-step's own seed, as in the standard step.
         torch.manual_seed(tr._stream_seed(hs.index, 1))
         dt = tr.autocast
@@ -238,17 +241,18 @@ class FastStep:
                 masks,
                 tr._attention(),
             )
+            hidden = hidden.view(n, b, -1)
+            selector = unwrap(tr.model).candidate_selector
+            d2 = DFlash2Inputs(selector, block_ids[:, 0], hidden) if selector else None
             res = fixed_shape_loss(
-                hidden.view(n, b, -1),
+                hidden,
                 tr._lm_head_on_drafter(),
                 self._to(hs.valid_NB),
                 self._to(hs.real_N),
                 labels_NB=tout.labels_NB,
                 target_hidden_NBH=tout.target_hidden_NBH,
-                weighting=st.weighting,
-                gamma=st.gamma,
-                dpace_alpha=st.dpace_alpha,
-                chunk_rows=st.chunk_rows,
+                objective=st.objective(),
+                dflash2=d2,
             )
         (res.loss * scale).backward()
         return res

@@ -11,6 +11,7 @@ so benchmarks can time them apart. Nothing here owns an optimizer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from dflash_trainer.core.anchors import (
 )
 from dflash_trainer.core.drafter import DFlashDrafter, sdpa_attention
 from dflash_trainer.core.geometry import DrafterSpec
-from dflash_trainer.core.loss import LossResult, dflash_loss
+from dflash_trainer.core.loss import DFlash2Inputs, LossResult, Objective, dflash_loss
 from dflash_trainer.core.masks import (
     FLEX_BLOCK,
     build_block_mask,
@@ -58,11 +59,33 @@ class StepSettings:
     """Pad anchors to a fixed count (fixed shapes for torch.compile)."""
     target_batch_tokens: int = 16384
     """Padded tokens (rows x longest) per target micro-batch."""
+    lk_weight: float = 0.0
+    selector_weight: float = 1.0
+    top_k: int = 0
+    """DFlash2: candidates per slot for the selector term (0: DFlash)."""
+
+    @property
+    def target_distribution(self) -> bool:
+        """The loss reads the target's whole distribution (its final hidden states)."""
+        return self.labels == "target" and (self.loss in ("kl", "lk") or self.lk_weight > 0)
+
+    def objective(self) -> Objective:
+        return Objective(
+            loss=self.loss,
+            weighting=self.weighting,
+            gamma=self.gamma,
+            dpace_alpha=self.dpace_alpha,
+            chunk_rows=self.chunk_rows,
+            lk_weight=self.lk_weight,
+            selector_weight=self.selector_weight,
+            top_k=self.top_k,
+        )
 
 
 def settings_for_spec(cfg: Config, spec: DrafterSpec, fixed_shapes: bool) -> StepSettings:
-    """The trainer's step settings: block size and mask token read from the drafter spec."""
-    return _settings(cfg, spec.block_size, spec.mask_token_id, fixed_shapes)
+    """The trainer's step settings: block size, mask token and kind read from the drafter spec."""
+    st = _settings(cfg, spec.block_size, spec.mask_token_id, fixed_shapes)
+    return dataclasses.replace(st, top_k=spec.selector_top_k if spec.is_dflash2 else 0)
 
 
 def settings_from_config(cfg: Config, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
@@ -71,7 +94,9 @@ def settings_from_config(cfg: Config, mask_token_id: int, fixed_shapes: bool) ->
     The spec's block size is the config's (core/geometry.py), so this equals
     `settings_for_spec` of the resolved spec.
     """
-    return _settings(cfg, cfg.drafter.block_size, mask_token_id, fixed_shapes)
+    st = _settings(cfg, cfg.drafter.block_size, mask_token_id, fixed_shapes)
+    dflash2 = cfg.drafter.kind == "dflash2"
+    return dataclasses.replace(st, top_k=cfg.drafter.selector_top_k if dflash2 else 0)
 
 
 def _settings(cfg: Config, block_size: int, mask_token_id: int, fixed_shapes: bool) -> StepSettings:
@@ -92,6 +117,8 @@ def _settings(cfg: Config, block_size: int, mask_token_id: int, fixed_shapes: bo
         fixed_ctx_len=-(-d.token_budget // FLEX_BLOCK) * FLEX_BLOCK if fixed_shapes else None,
         fixed_anchors=fixed_shapes,
         target_batch_tokens=max(d.token_budget, 2 * d.doc_limit),
+        lk_weight=t.lk_weight,
+        selector_weight=t.selector_loss_weight,
     )
 
 
@@ -206,7 +233,7 @@ def prepare_blocks(
     else:
         assert tout.final_hidden_TH is not None
         pred_idx = anchors.pred_idx_NB()
-        if st.loss == "kl":
+        if st.target_distribution:
             target_hidden = tout.final_hidden_TH[pred_idx]
         else:
             labels = torch.zeros_like(pred_idx)
@@ -249,6 +276,7 @@ def drafter_loss(
     an = blocks.anchors
     inner = unwrap(drafter)
     assert isinstance(inner, DFlashDrafter)
+    selector = inner.candidate_selector
     masks = build_masks(blocks, inner.spec, use_flex)
     emb = embed(blocks.block_ids_NB.reshape(-1)).detach()
     pos = block_position_ids(an).reshape(-1)
@@ -264,6 +292,9 @@ def drafter_loss(
             emb = emb.float()
         hidden = drafter(feats, blocks.pack.position_ids_T, emb, pos, masks, attn_fn)
         hidden = hidden.view(an.num_anchors, an.block_size, -1)
+        d2 = None
+        if selector is not None:
+            d2 = DFlash2Inputs(selector, blocks.block_ids_NB[:, 0], hidden)
         return dflash_loss(
             hidden,
             lm_head_weight,
@@ -271,8 +302,6 @@ def drafter_loss(
             an.real_N,
             labels_NB=blocks.labels_NB,
             target_hidden_NBH=blocks.target_hidden_NBH,
-            weighting=st.weighting,
-            gamma=st.gamma,
-            dpace_alpha=st.dpace_alpha,
-            chunk_rows=st.chunk_rows,
+            objective=st.objective(),
+            dflash2=d2,
         )

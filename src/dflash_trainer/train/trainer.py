@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.drafter import DFlashDrafter
-from dflash_trainer.core.geometry import resolve_drafter_spec
+from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.target.model import FrozenTarget, load_target_model
@@ -241,17 +242,29 @@ class Trainer(Stepper):
             from dflash_trainer.formats.export import import_drafter
 
             spec, state, _ = import_drafter(path)
-        if spec != self.spec:
-            diffs = {
-                k: (v, getattr(self.spec, k))
-                for k, v in spec.to_dict().items()
-                if getattr(self.spec, k) != (tuple(v) if isinstance(v, list) else v)
-            }
+        diffs = init_differences(spec, self.spec)
+        if diffs:
             raise DFlashError(
                 f"drafter.init_from={path}: its geometry differs from this config's: {diffs}; "
                 "make the drafter section match the imported drafter"
             )
-        self.drafter.load_state_dict({k: v.float() for k, v in state.items()})
+        missing, unexpected = self.drafter.load_state_dict(
+            {k: v.float() for k, v in state.items()}, strict=False
+        )
+        # Only a DFlash backbone starting a DFlash2 run may lack tensors: the convolutions
+        # and the selector, which then keep their no-op initialisation.
+        new_modules = spec.kind == "dflash" and self.spec.is_dflash2
+        lacking = [k for k in missing if not (new_modules and is_dflash2_tensor(k))]
+        if lacking or unexpected:
+            raise DFlashError(
+                f"drafter.init_from={path}: weights do not match this drafter (missing "
+                f"{lacking[:5]}, unexpected {unexpected[:5]})"
+            )
+        if new_modules:
+            self._log(
+                "DFlash2 modules (convolutions, selector) start as no-ops on the DFlash "
+                "backbone: the drafter drafts exactly as it did until its first step"
+            )
         self._log(f"drafter initialised from {path}")
 
     # ------------------------------------------------------------------- loop

@@ -1,0 +1,183 @@
+"""The two modules DFlash2 adds to the DFlash backbone (docs/algorithm.md section 8).
+
+Shape legend: Q = block-slot rows (n blocks x L slots), L = slots per block, H = hidden size,
+k = conv taps, G = channel groups (H / g), R = rows scored, K = candidates per slot,
+r = selector rank, S = drafted slots of one block (L - 1), V = vocab.
+
+Grouped dynamic convolution (`GroupedDynamicConv`, one around each attention and MLP
+sublayer). With x the sublayer's normed input and D = kernel_projection(x) viewed as
+[Q, 2, k, G] (side 0 = before the sublayer, side 1 = after it):
+
+    x'[t, c] = sum_j (base[0, j, c] + D[t, 0, j, c // g]) * x[t - j, c]     sublayer input
+    y'[t, c] = sum_j (base[1, j, c] + D[t, 1, j, c // g]) * y[t - j, c]     y = sublayer(x')
+
+where a tap t - j before the block's first slot reads zero: a tap never reaches another
+block or the context, also when training packs many blocks in one sequence (the rows are
+viewed as [n, L, ...] and shifted inside each block). Both sides' coefficients come from the
+input x. Initialised as an exact identity (base = [1, 0, ...], D = 0), so a DFlash2
+drafter built on a trained DFlash backbone drafts exactly as DFlash before its first step.
+
+Candidate selector (`CandidateSelector`): the backbone's top-K tokens of each slot, with
+unary scores U (the lm_head logits), are re-ranked by a low-rank pairwise term that
+depends on the token chosen at the slot before:
+
+    S_k(p, c) = U_k(c) + sum_r A[p, r] * (P h_k)[r] * B[c, r]
+
+(A = predecessor_codebook [V, r], B = successor_codebook [V, r], P = hidden_projection).
+Serving walks one path: the anchor is slot 1's predecessor, and each slot's choice is the
+next slot's. B starts at zero, so S = U and the greedy walk is DFlash's argmax.
+Training scores every slot at once with the true previous token as predecessor: when the
+earlier slots were all right, that is exactly the token the walk chose.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_trainer.core.fused_head import upcast
+
+
+def is_dflash2_tensor(name: str) -> bool:
+    """Whether a drafter state-dict key belongs to a module DFlash2 adds."""
+    return name.startswith("candidate_selector.") or "_conv." in name
+
+
+class GroupedDynamicConv(nn.Module):
+    """Two-sided grouped dynamic causal convolution over the slots of each block."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        if hidden % group_size != 0:
+            raise ValueError(f"conv_group_size {group_size} does not divide hidden {hidden}")
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 weighs 1, every other tap 0, no dynamic part."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0, :] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def coefficients(self, x_QH: torch.Tensor) -> torch.Tensor:
+        """D [Q, 2, k, G] from the sublayer's normed input."""
+        q = x_QH.shape[0]
+        return self.kernel_projection(x_QH).view(q, 2, self.kernel_size, self.groups)
+
+    def apply_side(
+        self, side: int, x_QH: torch.Tensor, d_Q2kG: torch.Tensor, block_len: int
+    ) -> torch.Tensor:
+        """sum_j (base[side, j] + D[:, side, j]) * x shifted j slots inside each block."""
+        q, h = x_QH.shape
+        n = q // block_len
+        assert n * block_len == q, "rows must be whole blocks"
+        g, groups = self.group_size, self.groups
+        xs = x_QH.view(n, block_len, groups, g)
+        base = self.base_kernel[side].to(x_QH.dtype).view(self.kernel_size, groups, g)
+        dyn = d_Q2kG[:, side].to(x_QH.dtype).view(n, block_len, self.kernel_size, groups, 1)
+        out = (base[0] + dyn[:, :, 0]) * xs
+        for j in range(1, min(self.kernel_size, block_len)):
+            # Slot t reads slot t - j of its own block; the first j slots read zero.
+            shifted = torch.zeros_like(xs)
+            shifted[:, j:] = xs[:, :-j]
+            out = out + (base[j] + dyn[:, :, j]) * shifted
+        return out.reshape(q, h)
+
+
+class CandidateSelector(nn.Module):
+    """Low-rank pairwise re-ranking of each slot's top-K candidates."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        # Plain parameters (not nn.Embedding): their state-dict names are the published
+        # tensor names, which carry no `.weight` suffix.
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """A zero successor codebook makes the pair term 0: S = U, the selector a no-op.
+
+        The successor codebook gets gradient at once; the other two once it is non-zero.
+        """
+        with torch.no_grad():
+            nn.init.normal_(self.hidden_projection.weight, std=std)
+            nn.init.normal_(self.predecessor_codebook, std=std)
+            self.successor_codebook.zero_()
+
+    def gate(self, hidden_RH: torch.Tensor) -> torch.Tensor:
+        """P h [R, r], at least fp32."""
+        w = self.hidden_projection.weight
+        return upcast(hidden_RH.to(w.dtype) @ w.t())
+
+    def forward(
+        self,
+        hidden_RH: torch.Tensor,
+        prev_R: torch.Tensor,
+        cand_RK: torch.Tensor,
+        unary_RK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores [R, K] (at least fp32) of each row's candidates given one predecessor per row."""
+        a = upcast(self.predecessor_codebook[prev_R]) * self.gate(hidden_RH)
+        b = upcast(self.successor_codebook[cand_RK])
+        return upcast(unary_RK) + torch.einsum("rd,rkd->rk", a, b)
+
+    def lattice(
+        self,
+        hidden_SH: torch.Tensor,
+        anchor_id: torch.Tensor,
+        cand_SK: torch.Tensor,
+        unary_SK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores [S, K, K] of one block: row i of slot s has predecessor candidate i of slot
+        s - 1 (slot 0: every row has the anchor). Everything a walk reads, in one pass."""
+        k = cand_SK.shape[1]
+        gate = self.gate(hidden_SH)  # [S, r]
+        prev = torch.cat([anchor_id.view(1).expand(k).view(1, k), cand_SK[:-1]], 0)  # [S, K]
+        a = upcast(self.predecessor_codebook[prev]) * gate[:, None, :]  # [S, K, r]
+        b = upcast(self.successor_codebook[cand_SK])  # [S, K, r]
+        return upcast(unary_SK)[:, None, :] + torch.einsum("sid,sjd->sij", a, b)
+
+
+def walk_greedy(lattice_SKK: torch.Tensor) -> torch.Tensor:
+    """Candidate index [S] of the greedy path: each slot's argmax given the previous choice.
+
+    A fixed sequence of small ops with no host read (it runs inside a CUDA graph); ties go
+    to the lower index, as torch.argmax.
+    """
+    s = lattice_SKK.shape[0]
+    picks = []
+    row = lattice_SKK.new_zeros((), dtype=torch.long)  # slot 0: every row is the anchor's
+    for i in range(s):
+        row = lattice_SKK[i].index_select(0, row.view(1)).squeeze(0).argmax()
+        picks.append(row)
+    return torch.stack(picks)
+
+
+def walk_sample(
+    lattice_SKK: torch.Tensor, temperature: float, uniforms_S: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled path: (candidate index [S], q [S, K], the distribution each was drawn from).
+
+    q_s = softmax(S_s(previous choice, .) / temperature) over the K candidates; the draw is
+    by inverse CDF from the given uniforms (drawn outside, so this runs in a CUDA graph).
+    The verifier must use exactly these q rows for rejection sampling to stay lossless.
+    """
+    s, k = lattice_SKK.shape[:2]
+    picks, rows = [], []
+    prev = lattice_SKK.new_zeros((), dtype=torch.long)
+    for i in range(s):
+        scores = lattice_SKK[i].index_select(0, prev.view(1)).squeeze(0)
+        q = torch.softmax(scores / temperature, dim=-1)
+        cdf = q.cumsum(0)
+        # u * total: a cumulative sum that ends a hair under 1 never makes u miss every bin.
+        prev = torch.searchsorted(cdf, (uniforms_S[i] * cdf[-1]).view(1)).clamp(max=k - 1)[0]
+        picks.append(prev)
+        rows.append(q)
+    return torch.stack(picks), torch.stack(rows)
