@@ -52,7 +52,7 @@ def naive_conv(conv: GroupedDynamicConv, side: int, x: torch.Tensor, d: torch.Te
     return out
 
 
-@pytest.mark.parametrize("k,g,blk", [(2, 4, 4), (3, 8, 5), (1, 16, 3), (4, 2, 4)])
+@pytest.mark.parametrize(("k", "g", "blk"), [(2, 4, 4), (3, 8, 5), (1, 16, 3), (4, 2, 4)])
 def test_conv_equals_its_definition_block_by_block(k, g, blk):
     torch.manual_seed(0)
     conv = randomize(GroupedDynamicConv(32, k, g).double())
@@ -207,7 +207,7 @@ def test_walk_sample_draws_from_q():
     n = 4000
     us = torch.rand(n, 2, dtype=torch.float64)
     for u in us:
-        picks, q = walk_sample(lat, 1.0, u)
+        picks, _ = walk_sample(lat, 1.0, u)
         counts[picks[0]] += 1
     expect = torch.softmax(lat[0, 0], -1) * n
     assert ((counts - expect).abs() / expect.sqrt()).max() < 4.5

@@ -15,7 +15,8 @@ import torch
 from conftest import make_spec
 from trainer_utils import tiny_config
 
-from dflash_trainer.core.loss import dflash_loss
+from dflash_trainer.core.dflash2 import CandidateSelector
+from dflash_trainer.core.loss import DFlash2Inputs, Objective, dflash_loss
 from dflash_trainer.core.masks import intervals_to_dense
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.fast_layout import (
@@ -43,13 +44,19 @@ def _close(a: float, b: float, rel: float) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
+DFLASH2 = {"kind": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+EXTRA = ("lk_loss", "lk_tau", "selector_loss", "candidate_recall", "selector_tau", "oracle_tau")
+
+
 def _same_steps(std: list, fast: list) -> None:
     for i, (s, f) in enumerate(zip(std, fast)):
         assert s.tokens == f.tokens and s.truncated == f.truncated, i
         assert _close(s.loss, f.loss, 1e-5), (i, s.loss, f.loss)
         assert _close(s.grad_norm, f.grad_norm, 1e-4), (i, s.grad_norm, f.grad_norm)
-        for k in ("accuracy", "exact_tau", "expected_tau", "anchors", "valid_slots"):
-            assert _close(float(s.metrics[k]), float(f.metrics[k]), 1e-5), (i, k)
+        assert set(s.metrics) == set(f.metrics)
+        for k in ("accuracy", "exact_tau", "expected_tau", "anchors", "valid_slots", *EXTRA):
+            if k in s.metrics:
+                assert _close(float(s.metrics[k]), float(f.metrics[k]), 1e-5), (i, k)
         assert torch.allclose(s.metrics["slot_acc"].cpu(), f.metrics["slot_acc"], atol=1e-6)
         assert s.skipped == f.skipped
 
@@ -62,15 +69,22 @@ def _same_steps(std: list, fast: list) -> None:
         {"labels": "data", "weighting": "dpace"},
         {"grad_accum_steps": 2},
         {"target_attention": "flex"},  # the target's rows as one sequence under a block mask
+        {"lk_weight": 0.5},
+        {"loss": "lk"},
+        {"drafter": DFLASH2},
+        {"drafter": DFLASH2, "weighting": "dpace", "grad_accum_steps": 2},
     ],
-    ids=["ce", "kl", "data-dpace", "accum2", "flex-target"],
+    ids=["ce", "kl", "data-dpace", "accum2", "flex-target", "ce+lk", "lk", "dflash2", "dflash2-dp"],
 )
 def test_fast_step_matches_standard(tmp_path, training):
     runs = {}
+    training = dict(training)
+    drafter = training.pop("drafter", {})
     for path in ("standard", "fast"):
         cfg = tiny_config(
             tmp_path,
             training={**training, "step_path": path},
+            drafter=drafter,
             run={"output_dir": str(tmp_path / path)},
         )
         tr, stats = _run(cfg, 3)
@@ -244,8 +258,17 @@ def test_layout_places_every_token_once():
     assert torch.equal(packed, torch.cat(ids))
 
 
-@pytest.mark.parametrize(("weighting", "kl"), [("decay", False), ("dpace", False), ("decay", True)])
-def test_fixed_shape_loss_equals_dflash_loss(weighting, kl):
+@pytest.mark.parametrize(
+    ("weighting", "kl", "extra"),
+    [
+        ("decay", False, None),
+        ("dpace", False, None),
+        ("decay", True, None),
+        ("decay", False, "lk"),
+        ("dpace", False, "dflash2"),
+    ],
+)
+def test_fixed_shape_loss_equals_dflash_loss(weighting, kl, extra):
     spec = make_spec()
     g = torch.Generator().manual_seed(1)
     n, b, h, v = 8, spec.block_size, spec.hidden_size, spec.vocab_size
@@ -257,7 +280,17 @@ def test_fixed_shape_loss_equals_dflash_loss(weighting, kl):
     real = torch.arange(n) < 6
     labels = torch.randint(0, v, (n, b), generator=g)
     th = torch.randn(n, b, h, generator=g) if kl else None
-    kw = dict(labels_NB=None if kl else labels, target_hidden_NBH=th, weighting=weighting)
+    kw: dict = dict(labels_NB=None if kl else labels, target_hidden_NBH=th, weighting=weighting)
+    if extra == "lk":
+        kw["target_hidden_NBH"] = torch.randn(n, b, h, generator=g)
+        kw["objective"] = Objective("ce", weighting, chunk_rows=5, lk_weight=0.7)
+    if extra == "dflash2":
+        torch.manual_seed(0)
+        sel = CandidateSelector(h, v, 6)
+        with torch.no_grad():
+            sel.successor_codebook.normal_()
+        kw["objective"] = Objective("ce", weighting, chunk_rows=5, top_k=5)
+        kw["dflash2"] = DFlash2Inputs(sel, torch.randint(0, v, (n,), generator=g), hidden)
     ref = dflash_loss(hidden, w, valid, real, chunk_rows=5, **kw)
     (g_ref,) = torch.autograd.grad(ref.loss, hidden)
     out = fixed_shape_loss(hidden, w, valid, real, chunk_rows=5, **kw)

@@ -146,3 +146,82 @@ def test_kl_target_labels_and_accuracy():
     )
     assert abs(res.loss.item()) < 1e-6
     assert res.metrics["accuracy"].item() == 1.0
+
+
+# ------------------------------------------------------------------ lk (acceptance-direct)
+
+
+def test_alpha_is_one_minus_total_variation_with_its_gradient():
+    from dflash_trainer.core.fused_head import HeadSettings, fused_head, reference_head
+
+    torch.manual_seed(0)
+    r, h, v = 40, 12, 50
+    w = torch.randn(v, h, dtype=torch.float64)
+    x = torch.randn(r, h, dtype=torch.float64, requires_grad=True)
+    th = torch.randn(r, h, dtype=torch.float64)
+    up = torch.rand(r, dtype=torch.float64)
+    for chunk in (1, 7, 100):
+        rows = fused_head(x, w, None, th, HeadSettings(alpha=True, chunk_rows=chunk))
+        (rows.alpha * up).sum().backward()
+        g = x.grad.clone()
+        x.grad = None
+        _, ref = reference_head(x, w, None, th)
+        (ref * up).sum().backward()
+        torch.testing.assert_close(rows.alpha, ref)
+        torch.testing.assert_close(g, x.grad)
+        x.grad = None
+        q = torch.softmax(x.detach() @ w.t(), -1)
+        p = torch.softmax(th @ w.t(), -1)
+        torch.testing.assert_close(rows.alpha, 1 - 0.5 * (p - q).abs().sum(-1))
+
+
+def test_lk_reduces_to_the_expected_accepted_length():
+    from dflash_trainer.core.loss import lk_term
+
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[:, 0] = False
+    real = torch.tensor([True, True])
+    # Every slot accepted for sure: E[accepted] = B - 1 = 4, loss -4, tau 5.
+    loss, tau = lk_term(torch.ones(2, 5), valid, real)
+    assert float(loss) == -4.0 and float(tau) == 5.0
+    # Never accepted: 0.
+    loss, tau = lk_term(torch.zeros(2, 5), valid, real)
+    assert float(loss) == 0.0 and float(tau) == 1.0
+    # alpha 0.5 everywhere: 0.5 + 0.25 + 0.125 + 0.0625.
+    loss, _ = lk_term(torch.full((2, 5), 0.5), valid, real)
+    assert float(loss) == pytest.approx(-0.9375)
+    # An unsupervised slot stops the block there; a padding block does not count.
+    valid[0, 3] = False
+    loss, _ = lk_term(torch.ones(2, 5), valid, torch.tensor([True, False]))
+    assert float(loss) == -2.0
+
+
+def test_lk_loss_trains_towards_the_target_distribution():
+    """loss=lk on constructed distributions: identical drafter and target give alpha 1 on every
+    slot (E[tau] = B); its gradient raises E[tau] from a perturbed drafter."""
+    torch.manual_seed(0)
+    n, b, h, v = 4, 5, 8, 30
+    w = torch.randn(v, h, dtype=torch.float64)
+    th = torch.randn(n, b, h, dtype=torch.float64)
+    valid = torch.ones(n, b, dtype=torch.bool)
+    valid[:, 0] = False
+    real = torch.ones(n, dtype=torch.bool)
+    from dflash_trainer.core.loss import Objective
+
+    same = dflash_loss(
+        th.clone().requires_grad_(True), w, valid, real, None, th, objective=Objective("lk")
+    )
+    assert float(same.metrics["lk_tau"]) == pytest.approx(b)
+    assert float(same.loss) == pytest.approx(-(b - 1))
+    hidden = (th + 0.5 * torch.randn_like(th)).requires_grad_(True)
+    before = dflash_loss(hidden, w, valid, real, None, th, objective=Objective("lk"))
+    before.loss.backward()
+    with torch.no_grad():
+        stepped = hidden - 0.5 * hidden.grad
+    after = dflash_loss(stepped, w, valid, real, None, th, objective=Objective("lk"))
+    assert float(after.metrics["lk_tau"]) > float(before.metrics["lk_tau"])
+    # A ce loss with an lk term: ce on the target's argmax plus the weighted lk.
+    mixed = dflash_loss(hidden, w, valid, real, None, th, objective=Objective("ce", lk_weight=0.3))
+    plain = dflash_loss(hidden, w, valid, real, None, th, objective=Objective("ce"))
+    expect = float(plain.loss) + 0.3 * float(before.metrics["lk_loss"])
+    assert float(mixed.loss) == pytest.approx(expect)

@@ -228,3 +228,47 @@ def test_in_training_eval_walks_the_held_out_split(tmp_path):
     assert walk is not None and walk["documents"] == 6 and walk["steps"] > 0
     assert 1.0 <= walk["tau"] <= cfg.drafter.block_size
     assert trainer.drafter.training  # the walk restores the training mode
+
+
+def test_dflash2_trains_logs_its_terms_and_starts_from_a_dflash_drafter(tmp_path):
+    """A DFlash run, then a DFlash2 run initialised from it: the backbone is copied, the new
+    modules start as no-ops, the selector's terms are logged and plotted."""
+    base = tiny_config(
+        tmp_path,
+        training={"max_steps": 4, "log_every": 2},
+        run={"output_dir": str(tmp_path / "v1")},
+    )
+    Trainer(base, log_to_console=False).train()
+    d2 = {"kind": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+    cfg = tiny_config(
+        tmp_path,
+        drafter={**d2, "init_from": str(tmp_path / "v1")},
+        training={"max_steps": 4, "log_every": 2, "lk_weight": 0.2},
+        run={"output_dir": str(tmp_path / "v2")},
+    )
+    tr = Trainer(cfg, log_to_console=False)
+    from dflash_trainer.formats.drafter_io import load_drafter
+
+    _, v1_state, _ = load_drafter(tmp_path / "v1")
+    mine = tr.drafter.state_dict()
+    for k, v in v1_state.items():
+        assert torch.equal(mine[k].cpu(), v.float()), k
+    for layer in tr.drafter.layers:
+        assert bool((layer.attention_conv.kernel_projection.weight == 0).all())
+    assert bool((tr.drafter.candidate_selector.successor_codebook == 0).all())
+    tr.train()
+    rec = read_metrics(tmp_path / "v2")[-1]
+    for key in ("selector_loss", "candidate_recall", "selector_tau", "oracle_tau", "lk_tau"):
+        assert math.isfinite(rec[key]), key
+    assert 1.0 <= rec["selector_tau"] <= rec["oracle_tau"] <= 4.0
+    assert (tmp_path / "v2" / "plots" / "dflash2.png").is_file()
+    # The selector trained: the successor codebook left zero.
+    assert float(tr.drafter.candidate_selector.successor_codebook.detach().abs().sum()) > 0
+    # A DFlash2 drafter cannot start a DFlash run.
+    bad = tiny_config(
+        tmp_path,
+        drafter={"init_from": str(tmp_path / "v2")},
+        run={"output_dir": str(tmp_path / "v3")},
+    )
+    with pytest.raises(DFlashError, match="kind"):
+        Trainer(bad, log_to_console=False)

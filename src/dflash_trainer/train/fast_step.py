@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.core.dflash2 import CandidateSelector
 from dflash_trainer.core.loss import DFlash2Inputs
 from dflash_trainer.core.masks import Intervals, build_block_mask, intervals_to_dense
 from dflash_trainer.errors import DFlashError
@@ -242,8 +243,10 @@ class FastStep:
                 tr._attention(),
             )
             hidden = hidden.view(n, b, -1)
-            selector = unwrap(tr.model).candidate_selector
-            d2 = DFlash2Inputs(selector, block_ids[:, 0], hidden) if selector else None
+            selector = getattr(unwrap(tr.model), "candidate_selector", None)
+            d2 = None
+            if isinstance(selector, CandidateSelector):
+                d2 = DFlash2Inputs(selector, block_ids[:, 0], hidden)
             res = fixed_shape_loss(
                 hidden,
                 tr._lm_head_on_drafter(),

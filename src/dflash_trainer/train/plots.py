@@ -1,8 +1,10 @@
 """`dflash plot RUN_DIR`: PNG training curves from metrics.jsonl.
 
 One figure per quantity a user reads first: loss, in-batch acceptance (exact and
-expected tau, plus the measured and walked held-out tau of in-training evals when present), per-slot
-accuracy at the last log, learning rate and throughput.
+expected tau, the lk term's expected tau at temperature 1, plus the measured and walked held-out
+tau of in-training evals when present), per-slot accuracy at the last log, learning rate and
+throughput; for DFlash2 the selector walk against the backbone and the top-K ceiling, the
+candidates' recall and both losses.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
                 "s-",
                 label="walked held-out tau",
             )
+    if any("lk_tau" in r for r in train):  # expected tau at temperature 1 (lk term)
+        lk = [r for r in train if "lk_tau" in r]
+        ax.plot([r["step"] for r in lk], [r["lk_tau"] for r in lk], ls=":", label="E[tau] at t=1")
     ax.set_xlabel("step")
     ax.set_ylabel("acceptance length")
     ax.set_title("acceptance")
@@ -87,6 +92,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
         ax.set_title(f"per-slot accuracy at step {train[-1]['step']}")
         save(fig, "slot_accuracy.png")
 
+    if any("selector_tau" in r for r in train):
+        save(*_dflash2_figure(plt, train), "dflash2.png")
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
     a1.plot(steps, [r["lr"] for r in train])
     a1.set_title("learning rate")
@@ -96,6 +104,29 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     a2.set_xlabel("step")
     save(fig, "lr_throughput.png")
     return written
+
+
+def _dflash2_figure(plt: Any, train: list[dict[str, Any]]) -> tuple[Any]:
+    """DFlash2: the selector's walk against the backbone's argmax and the top-K ceiling, the
+    candidates' recall, and the two losses."""
+    rows = [r for r in train if "selector_tau" in r]
+    steps = [r["step"] for r in rows]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.4))
+    a1.plot(steps, [r["selector_tau"] for r in rows], label="selector walk")
+    a1.plot(steps, [r["exact_tau"] for r in rows], label="backbone argmax")
+    a1.plot(steps, [r["oracle_tau"] for r in rows], ls="--", label="oracle over top-K")
+    a1.set_title("in-batch acceptance (tau)")
+    a1.legend()
+    a2.plot(steps, [r["candidate_recall"] for r in rows])
+    a2.set_title("candidate recall@K")
+    a3.plot(steps, [r["base_loss"] for r in rows], label="block loss")
+    a3.plot(steps, [r["selector_loss"] for r in rows], label="selector loss")
+    a3.set_title("losses")
+    a3.legend()
+    for ax in (a1, a2, a3):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return (fig,)
 
 
 def run(args: argparse.Namespace) -> int:

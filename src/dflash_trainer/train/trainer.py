@@ -64,6 +64,22 @@ def _quiet(msg: str) -> None:
     """Other ranks read the same checkpoints: rank 0 alone reports on them."""
 
 
+PER_BLOCK_METRICS = frozenset({"exact_tau", "selector_tau", "oracle_tau", "lk_tau"})
+"""Metrics that are means over blocks (weighed by anchors when steps are averaged)."""
+
+OPTIONAL_METRICS = (
+    "base_loss",
+    "lk_loss",
+    "lk_tau",
+    "selector_loss",
+    "candidate_recall",
+    "selector_accuracy",
+    "selector_tau",
+    "oracle_tau",
+)
+"""Logged when the objective computes them: the lk term, DFlash2's selector term."""
+
+
 class Trainer(Stepper):
     def __init__(
         self,
@@ -375,12 +391,11 @@ class Trainer(Stepper):
         n = len(ok)
         dt = sum(s.target_s + s.drafter_s for s in window)
         m = {k: sum(s.metrics[k] for s in ok) / n for k in ok[0].metrics}
-        # tau is per block: weigh each step by its anchors (a step may have none).
+        # Per-block means: weigh each step by its anchors (a step may have none).
         n_anchors = sum(float(s.metrics["anchors"]) for s in ok)
         if n_anchors > 0:
-            m["exact_tau"] = (
-                sum(s.metrics["exact_tau"] * s.metrics["anchors"] for s in ok) / n_anchors
-            )
+            for key in PER_BLOCK_METRICS & set(m):
+                m[key] = sum(s.metrics[key] * s.metrics["anchors"] for s in ok) / n_anchors
         rec: dict[str, Any] = {
             "step": self.step,
             "epoch": self.position.epoch
@@ -401,6 +416,10 @@ class Trainer(Stepper):
             "truncated_docs": self.truncated_total,
             "skipped_steps": self.skipped_total,
         }
+        # The terms beside the block loss, when the objective has them (lk, DFlash2).
+        for key in OPTIONAL_METRICS:
+            if key in m:
+                rec[key] = float(m[key])
         if self.world.drafter_device.type == "cuda":
             rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.world.drafter_device) / 1e9
         self.metrics.write(rec)
@@ -412,9 +431,20 @@ class Trainer(Stepper):
         ):
             self._log(
                 f"step {self.step}: loss {rec['loss']:.4f} acc {rec['accuracy']:.3f} "
-                f"tau {rec['exact_tau']:.2f} lr {rec['lr']:.2e} {rec['tokens_per_s']:.0f} tok/s"
+                f"tau {rec['exact_tau']:.2f}{self._selector_note(rec)} lr {rec['lr']:.2e} "
+                f"{rec['tokens_per_s']:.0f} tok/s"
             )
         return rec
+
+    @staticmethod
+    def _selector_note(rec: dict[str, Any]) -> str:
+        """DFlash2: the selector path's tau beside the backbone's, and the candidates' recall."""
+        if "selector_tau" not in rec:
+            return ""
+        return (
+            f" (selector {rec['selector_tau']:.2f}, oracle top-K {rec['oracle_tau']:.2f}, "
+            f"recall {rec['candidate_recall']:.3f})"
+        )
 
     def _in_training_eval(self) -> dict[str, Any] | None:
         """Served tau measured every eval_every steps (eval/in_training.py), on rank 0.
