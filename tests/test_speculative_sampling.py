@@ -17,7 +17,16 @@ import torch
 from test_speculative import OracleDrafter
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_trainer.eval.speculative import generate, sample_tokens, target_probs, top_p_filter
+from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.core.geometry import DrafterSpec
+from dflash_trainer.eval.drafting import Proposal, rejection_verify
+from dflash_trainer.eval.speculative import (
+    DFlashBlockDrafter,
+    generate,
+    sample_tokens,
+    target_probs,
+    top_p_filter,
+)
 from dflash_trainer.target.model import FrozenTarget
 
 V = 4
@@ -166,3 +175,88 @@ def test_target_only_sampling_is_reproducible_with_a_seeded_generator():
         for _ in range(2)
     ]
     assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+# ---------------------------------------------------- drafts sampled from the drafter itself
+
+
+def sampling_drafter(target: FrozenTarget, kind: str, block: int = 3) -> DFlashDrafter:
+    """A random real drafter over the 4-token target: DFlash, or DFlash2 with a non-trivial
+    convolution and selector (the selector's q depends on the previous drafted token)."""
+    spec = DrafterSpec(
+        hidden_size=16,
+        vocab_size=V,
+        target_hidden_size=16,
+        num_target_hidden_layers=1,
+        target_layer_ids=(0,),
+        block_size=block,
+        mask_token_id=V - 1,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        rope_theta=10000.0,
+        layer_types=("full_attention",),
+        sliding_window=None,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        kind=kind,
+        conv_group_size=4,
+        selector_rank=4,
+        selector_top_k=3,
+    )
+    torch.manual_seed(5)
+    model = DFlashDrafter(spec).eval()
+    model.reset_parameters(std=0.3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 or kind == "dflash2":
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_sampled_drafts_with_rejection_sampling_keep_the_target_distribution(kind):
+    """Drafts drawn from the drafter's q (DFlash: softmax of its logits; DFlash2: the selector
+    walk over its top-K) and verified by rejection sampling against that q: the output is
+    still an exact sample of the target."""
+    target = peaked_target()
+    block = DFlashBlockDrafter(sampling_drafter(target, kind), target, draft_sampling="sample")
+    gen = torch.Generator().manual_seed(99)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = []
+    for _ in range(SAMPLES):
+        g = generate(
+            target,
+            PROMPT,
+            block,
+            max_new_tokens=3,
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            generator=gen,
+        )
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+        accepted += g.accepted
+    assert sum(a > 0 for a in accepted) / len(accepted) > 0.15  # the accept branch is exercised
+    exact = exact_joint(target, 3, TEMPERATURE, TOP_P)
+    impossible = [c for c, p in exact.items() if p == 0 and counts.get(c, 0)]
+    assert not impossible, f"sampled outside the top-p nucleus: {impossible}"
+    assert chi2_pvalue(counts, exact, SAMPLES) > 1e-3
+    assert chi2_pvalue(counts, exact_joint(target, 3, 0.7, TOP_P), SAMPLES) < 1e-6
+
+
+def test_rejection_verify_is_exact_on_a_constructed_block():
+    """One slot, p and q known: the committed token's law is p, whatever q is."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.2, 0.7, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    n, counts, kept = 20000, torch.zeros(4), 0
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=gen)
+        toks, acc = rejection_verify(Proposal(x, q, None), p, gen)
+        counts[toks[0]] += 1
+        kept += acc
+    torch.testing.assert_close(counts / n, p[0], atol=0.015, rtol=0)
+    # Acceptance is sum(min(p, q)) = 0.1 + 0.2 + 0.2.
+    assert abs(kept / n - 0.5) < 0.015

@@ -34,7 +34,12 @@ from dflash_trainer.eval.loading import check_compatible, load_eval_models
 from dflash_trainer.eval.prompt_run import PromptRun, stop_token_ids
 from dflash_trainer.eval.prompts import Messages
 from dflash_trainer.eval.report import build_report, markdown, summarize, write_all, write_json
-from dflash_trainer.eval.speculative import BlockDrafter, DFlashBlockDrafter, unwrap_module
+from dflash_trainer.eval.speculative import (
+    DRAFT_SAMPLING,
+    BlockDrafter,
+    DFlashBlockDrafter,
+    unwrap_module,
+)
 from dflash_trainer.eval.static_decode import DECODE_MODES, DecodeEngines
 from dflash_trainer.target.model import FrozenTarget
 
@@ -56,14 +61,17 @@ def _eval_mode(module: nn.Module | None) -> Iterator[None]:
 
 
 def _block_drafter(
-    drafter: nn.Module | BlockDrafter, target: FrozenTarget, block_size: int | None
+    drafter: nn.Module | BlockDrafter,
+    target: FrozenTarget,
+    block_size: int | None,
+    draft_sampling: str,
 ) -> tuple[BlockDrafter, nn.Module | None]:
     if isinstance(drafter, nn.Module):
         inner = unwrap_module(drafter)
         spec = inner.spec
         assert isinstance(spec, DrafterSpec)
         check_compatible(spec, target)
-        return DFlashBlockDrafter(inner, target, block_size), inner
+        return DFlashBlockDrafter(inner, target, block_size, draft_sampling), inner
     return drafter, None
 
 
@@ -81,6 +89,7 @@ def evaluate_prompts(
     warmup: bool = False,
     progress: str | None = None,
     decode: str = "eager",
+    draft_sampling: str = "auto",
 ) -> dict[str, Any]:
     """Run the real speculative loop over conversations; measured tau and friends.
 
@@ -95,12 +104,21 @@ def evaluate_prompts(
     `progress` names a progress bar over the conversations (stderr), with the running tau.
     `decode` (static_decode.DECODE_MODES) picks how both loops run the models: "graphs"
     replays CUDA graphs of fixed-size caches, "eager" runs HF's dynamic cache; the result's
-    "decode" says which ran.
+    "decode" says which ran. `draft_sampling` (speculative.DRAFT_SAMPLING) says whether drafts
+    are sampled at temperature > 0 (verified by rejection sampling) or greedy.
     """
     from tqdm import tqdm
 
-    block, module = _block_drafter(drafter, target, block_size)
-    engines = DecodeEngines(target, decode, module, block.block_size, block.needs_features)
+    block, module = _block_drafter(drafter, target, block_size, draft_sampling)
+    engines = DecodeEngines(
+        target,
+        decode,
+        module,
+        block.block_size,
+        block.needs_features,
+        draft_sampling,
+        eval_cfg.temperature,
+    )
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
     run = PromptRun(target, tokenizer, eval_cfg, engines, block, baseline, stops)
     with _eval_mode(module):
@@ -174,6 +192,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "target allows (attention-only, no sliding window), else eager",
     )
     p.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLING,
+        default="auto",
+        help="at temperature > 0: sample drafts from the drafter (rejection sampling keeps the "
+        "output exact) or draft greedily; auto samples with DFlash2's selector walk and drafts "
+        "greedily with DFlash",
+    )
+    p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (logs of detached jobs)"
     )
     p.add_argument("--json", help="write the JSON report here")
@@ -215,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=not results,  # the first set pays the one-off costs, untimed
             progress=None if args.no_progress else label,
             decode=args.decode,
+            draft_sampling=args.draft_sampling,
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
         results[label] = res

@@ -37,6 +37,7 @@ from torch import nn
 
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.drafting import Proposal, draft_tokens, rejection_verify
 from dflash_trainer.eval.target_runner import DynamicTargetRunner, TargetRunner
 from dflash_trainer.target.model import FrozenTarget
 
@@ -92,8 +93,11 @@ class BlockDrafter(Protocol):
 
     def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None: ...
 
-    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
-        """block_size - 1 drafted token ids (a 1-D long tensor on the target's device)."""
+    def __call__(
+        self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None
+    ) -> torch.Tensor | Proposal:
+        """block_size - 1 drafted token ids (a 1-D long tensor on the target's device), or
+        at temperature > 0 a `Proposal` (sampled tokens with their q: rejection sampling)."""
         ...
 
 
@@ -106,8 +110,16 @@ def unwrap_module(model: nn.Module) -> nn.Module:
         model = inner
 
 
+DRAFT_SAMPLING = ("auto", "greedy", "sample")
+"""At temperature > 0: greedy drafts (verified by the target's own sample), or drafts sampled
+from the drafter's distribution (verified by rejection sampling); auto samples with DFlash2
+(its selector walk) and drafts greedily with DFlash."""
+
+
 class DFlashBlockDrafter:
-    """A `DFlashDrafter` as a `BlockDrafter`: cached context K/V, greedy drafts.
+    """A `DFlashDrafter` as a `BlockDrafter`: cached context K/V, drafts from its logits
+    (eval/drafting.py: argmax, or DFlash2's selector walk; sampled at temperature > 0 when
+    `draft_sampling` says so, then returned as a `Proposal` with its q).
 
     Block tokens are embedded and drafts decoded with the target's own embed_tokens and
     lm_head (shared, frozen). `block_size` may be smaller than the trained one (fewer slots).
@@ -115,9 +127,24 @@ class DFlashBlockDrafter:
 
     needs_features = True
 
-    def __init__(self, model: nn.Module, target: FrozenTarget, block_size: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        target: FrozenTarget,
+        block_size: int | None = None,
+        draft_sampling: str = "auto",
+    ):
         self.model: Any = cast(Any, unwrap_module(model))
         spec: DrafterSpec = self.model.spec
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise DFlashError(
+                f"draft sampling {draft_sampling!r}: choose one of {', '.join(DRAFT_SAMPLING)}"
+            )
+        self.draft_sampling = draft_sampling
+        self.selector = self.model.candidate_selector
+        self.top_k = spec.selector_top_k
+        self.temperature = 0.0
+        self.generator: torch.Generator | None = None
         self.block_size: int = spec.block_size if block_size is None else block_size
         if not 2 <= self.block_size <= spec.block_size:
             raise DFlashError(
@@ -136,18 +163,51 @@ class DFlashBlockDrafter:
         positions = torch.arange(n, n + s, device=features_SF.device)
         self.model.extend_cache(self.cache, features_SF.to(self.dtype), positions)
 
+    def set_sampling(self, temperature: float, generator: torch.Generator | None) -> None:
+        """The loop's temperature and generator (generate() calls this before decoding)."""
+        self.temperature = temperature
+        self.generator = generator
+
+    @property
+    def samples(self) -> bool:
+        """Whether drafts are sampled (and returned as a `Proposal`) at this temperature."""
+        if self.temperature <= 0 or self.draft_sampling == "greedy":
+            return False
+        return self.draft_sampling == "sample" or self.selector is not None
+
+    def uniforms(self, device: torch.device) -> torch.Tensor | None:
+        if not self.samples:
+            return None
+        return torch.rand(self.block_size - 1, device=device, generator=self.generator)
+
+    def proposal(
+        self, tokens: torch.Tensor, q: torch.Tensor | None, ids: torch.Tensor | None
+    ) -> torch.Tensor | Proposal:
+        return Proposal(tokens, q, ids) if q is not None else tokens
+
     def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None:
         self.cache = self.model.new_cache()
         self._extend(features_PF)
 
-    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None
+    ) -> torch.Tensor | Proposal:
         if new_features_SF is not None:  # None on the first step: start() took the prompt's
             self._extend(new_features_SF)
-        anchor_emb = self.target.embed(ids_N[-1:]).to(self.dtype)
+        anchor = ids_N[-1:]
+        anchor_emb = self.target.embed(anchor).to(self.dtype)
         block = torch.cat([anchor_emb, self.mask_emb_1H.expand(self.block_size - 1, -1)])
         hidden_BH = self.model.step(self.cache, block, ids_N.numel() - 1)
-        w = self.target.lm_head_weight
-        return (hidden_BH[1:].to(w.dtype) @ w.t()).argmax(-1)
+        tokens, q, ids = draft_tokens(
+            hidden_BH[1:],
+            self.target.lm_head_weight,
+            anchor,
+            self.selector,
+            self.top_k,
+            self.temperature,
+            self.uniforms(hidden_BH.device),
+        )
+        return self.proposal(tokens, q, ids)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -213,6 +273,13 @@ class _Decode:
     accepted: list[int] = field(default_factory=list)
     new_feats: torch.Tensor | None = None
     """Target features of the tokens committed by the last step (the drafter's input)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    def p_rows(self, logits_SV: torch.Tensor) -> torch.Tensor:
+        """The target's sampling distribution of each verified row."""
+        return target_probs(logits_SV, self.temperature, self.top_p)
 
 
 def _draft_and_verify(
@@ -226,27 +293,35 @@ def _draft_and_verify(
     """One step: draft a block, verify it in one target forward, commit the accepted
     prefix plus the target's own next token. Returns the committed tokens."""
     seq, n = st.seq, st.n
+    proposal = None
     if drafter is not None:
-        drafts = drafter(seq[:n], st.new_feats).to(seq.device).view(-1)
+        out = drafter(seq[:n], st.new_feats)
+        if isinstance(out, Proposal):
+            proposal, out = out, out.tokens_S
+        drafts = out.to(seq.device).view(-1)
         assert drafts.numel() == block - 1, "a drafter must return block_size - 1 ids"
         block_ids = torch.cat([seq[n - 1 : n], drafts])
     else:
         block_ids = seq[n - 1 : n]
     snapshot = runner.snapshot(block)
     logits, feats = runner.forward(block_ids, taps=taps)
-    posterior = sample(logits)
     if st.margins is not None:
         st.margins.extend(_margin(row) for row in logits)
-    host = torch.cat([block_ids[1:], posterior]).tolist()  # the step's one host sync
-    drafted, post = host[: block - 1], host[block - 1 :]
-    acc = 0
-    while acc < block - 1 and drafted[acc] == post[acc]:
-        acc += 1
-    seq[n : n + acc] = block_ids[1 : acc + 1]
-    seq[n + acc] = posterior[acc]
+    if proposal is not None:
+        new, acc = rejection_verify(proposal, st.p_rows(logits), st.generator)
+        seq[n : n + acc + 1] = torch.tensor(new, device=seq.device)
+    else:
+        posterior = sample(logits)
+        host = torch.cat([block_ids[1:], posterior]).tolist()  # the step's one host sync
+        drafted, post = host[: block - 1], host[block - 1 :]
+        acc = 0
+        while acc < block - 1 and drafted[acc] == post[acc]:
+            acc += 1
+        seq[n : n + acc] = block_ids[1 : acc + 1]
+        seq[n + acc] = posterior[acc]
+        new = post[: acc + 1]
     st.n = n + acc + 1
     st.accepted.append(acc)
-    new = post[: acc + 1]
     st.generated.extend(new)
     if st.margins is not None:
         # Keep the margins of committed slots only (the rest saw rejected drafts).
@@ -304,6 +379,9 @@ def generate(
     if record_margins:
         margins.append(_margin(logits[-1]))
     if drafter is not None:
+        set_sampling = getattr(drafter, "set_sampling", None)
+        if set_sampling is not None:
+            set_sampling(temperature, generator)
         drafter.start(prompt, feats)
     seq = torch.empty(p + max_new_tokens + block, dtype=torch.long, device=dev)
     seq[:p] = prompt
@@ -315,6 +393,7 @@ def generate(
 
     # n: committed tokens; the anchor seq[n-1] is not in the target cache yet
     st = _Decode(seq, p + 1, generated, margins if record_margins else None)
+    st.temperature, st.top_p, st.generator = temperature, top_p, generator
     stopped = generated[0] in stops
     while len(generated) < max_new_tokens and not stopped:
         new = _draft_and_verify(st, drafter, runner, block, taps, sample)

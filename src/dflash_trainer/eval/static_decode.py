@@ -42,6 +42,7 @@ from torch import nn
 from dflash_trainer.core.drafter import sdpa_attention
 from dflash_trainer.core.masks import inference_mask
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.drafting import Proposal, draft_tokens
 from dflash_trainer.eval.speculative import DFlashBlockDrafter
 from dflash_trainer.eval.target_runner import cache_kwarg, target_forward
 from dflash_trainer.target.model import FrozenTarget
@@ -282,8 +283,10 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         capacity: int,
         block_size: int | None = None,
         graphs: bool = False,
+        draft_sampling: str = "auto",
+        temperature: float = 0.0,
     ) -> None:
-        super().__init__(model, target, block_size)
+        super().__init__(model, target, block_size, draft_sampling)
         spec = self.model.spec
         dev, dt, b = target.device, self.dtype, self.block_size
         self.capacity = capacity
@@ -295,9 +298,14 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         self.anchor_pos = torch.zeros((), dtype=torch.long, device=dev)
         self.anchor_id = torch.zeros(1, dtype=torch.long, device=dev)
         self._slots = torch.arange(b, device=dev)
-        self._step = _Replay(self._draft, graphs)
+        self._uniforms = torch.zeros(b - 1, device=dev)
+        self._graphs = graphs
+        self._steps: dict[tuple[bool, float], _Replay] = {}
+        # Captured now, outside any timed decode: the step of the evaluation's temperature.
+        self.set_sampling(temperature, None)
+        self._replay()
 
-    def _draft(self) -> torch.Tensor:
+    def _draft(self, sampled: bool) -> tuple[torch.Tensor, Any, Any]:
         m = self.model
         pos = self.write_at + self._slots
         for keys, values, (k, v) in zip(
@@ -322,8 +330,15 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         hidden = m.run_layers(
             block, ctx, self.anchor_pos + self._slots, masks, sdpa_attention, self.block_size
         )
-        w = self.target.lm_head_weight
-        return (hidden[1:].to(w.dtype) @ w.t()).argmax(-1)
+        return draft_tokens(
+            hidden[1:],
+            self.target.lm_head_weight,
+            self.anchor_id,
+            self.selector,
+            self.top_k,
+            self.temperature,
+            self._uniforms if sampled else None,
+        )
 
     def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None:
         assert features_PF is not None, "DFlash drafting needs the target's tapped features"
@@ -336,7 +351,9 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
             keys[:n] = k
             values[:n] = v
 
-    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None
+    ) -> torch.Tensor | Proposal:
         a = ids_N.numel() - 1  # the anchor's position; the context holds 0..a-1
         if a + self.block_size > self.capacity:
             raise DFlashError(f"static decoding: position {a} exceeds the drafter cache")
@@ -348,9 +365,22 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
             self.write_at.fill_(a - s)
         self.anchor_pos.fill_(a)
         self.anchor_id.copy_(ids_N[-1:])
-        out = self._step()
-        assert isinstance(out, torch.Tensor)
-        return out
+        if self.samples:
+            self._uniforms.copy_(
+                torch.rand(self.block_size - 1, device=ids_N.device, generator=self.generator)
+            )
+        tokens, q, ids = self._replay()()
+        return self.proposal(tokens, q, ids)
+
+    def _replay(self) -> _Replay:
+        """The step for the current draft mode; a graph bakes in the temperature it was
+        captured with, so there is one per mode and temperature."""
+        key = (self.samples, self.temperature if self.samples else 0.0)
+        replay = self._steps.get(key)
+        if replay is None:
+            replay = _Replay(functools.partial(self._draft, key[0]), self._graphs)
+            self._steps[key] = replay
+        return replay
 
 
 class DecodeEngines:
@@ -364,9 +394,13 @@ class DecodeEngines:
         drafter: nn.Module | None,
         block_size: int,
         taps: bool,
+        draft_sampling: str = "auto",
+        temperature: float = 0.0,
     ) -> None:
         self.target = target
         self.mode = resolve_decode(mode, target)
+        self.draft_sampling = draft_sampling
+        self.temperature = temperature
         self.drafter_module = drafter
         self.block_size = block_size
         self.taps = taps
@@ -387,7 +421,13 @@ class DecodeEngines:
             self.runner = StaticTargetRunner(self.target, cap, shapes, graphs)
             if self.drafter_module is not None:
                 self.drafter = StaticDFlashDrafter(
-                    self.drafter_module, self.target, cap, self.block_size, graphs
+                    self.drafter_module,
+                    self.target,
+                    cap,
+                    self.block_size,
+                    graphs,
+                    self.draft_sampling,
+                    self.temperature,
                 )
         except DFlashError:
             raise

@@ -78,6 +78,7 @@ def walk_document(
         a, prev = start, start
         while a < end - 1:
             drafts = adapter(ids[: a + 1], features[prev:a] if a > prev else None)
+            assert isinstance(drafts, torch.Tensor), "the walk drafts greedily"
             prev = a
             # Only slots whose label lies in the stretch count.
             run = accepted_run(drafts, greedy, a, min(block - 1, end - 1 - a))
