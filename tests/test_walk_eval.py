@@ -57,3 +57,35 @@ def test_walked_tau_of_a_real_drafter_pools_steps_and_keeps_the_training_mode():
     # n supervised tokens take between ceil((n-1)/(B-1)) and n-1 steps (n-1 predictable slots).
     assert 7 <= len(steps[0]) <= 19 and 10 <= len(steps[1]) <= 29
     assert 1.0 <= out["tau"] <= 4.0
+
+
+def test_candidate_walk_bounds_and_the_full_vocabulary_oracle():
+    from test_speculative import VOCAB, make_target, prompt, random_dflash
+
+    from dflash_trainer.eval.speculative import generate
+    from dflash_trainer.eval.walk import candidate_walk
+
+    target = make_target("llama")
+    drafter = random_dflash(target, 5, seed=1).model
+    answers = []
+    for seed in range(3):
+        p = prompt(seed)
+        g = generate(target, p, None, max_new_tokens=30)
+        answers.append((p.tolist(), g.tokens))
+    out = candidate_walk(drafter, target, answers, k=3)
+    assert 1.0 <= out["walked_tau"] <= out["oracle_tau"] <= 5.0
+    for a1, ak in zip(out["recall_at_1"], out["recall_at_k"]):
+        if a1 is not None:
+            assert 0.0 <= a1 <= ak <= 1.0
+    # Every token is a candidate when K is the vocabulary: each oracle step takes as many
+    # slots as the answer has left.
+    full = candidate_walk(drafter, target, answers, k=VOCAB)
+    assert full["recall_at_k"][0] == 1.0
+    steps = []
+    for p, a in answers:
+        at, end = len(p), len(p) + len(a)
+        while at < end - 1:
+            steps.append(min(4, end - 1 - at))
+            at += steps[-1] + 1
+    assert full["oracle_tau"] == pytest.approx((sum(steps) + len(steps)) / len(steps))
+    assert full["walked_tau"] == out["walked_tau"]  # the drafter's own walk ignores K

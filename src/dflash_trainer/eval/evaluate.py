@@ -41,6 +41,7 @@ from dflash_trainer.eval.speculative import (
     unwrap_module,
 )
 from dflash_trainer.eval.static_decode import DECODE_MODES, DecodeEngines
+from dflash_trainer.eval.walk import candidate_walk
 from dflash_trainer.target.model import FrozenTarget
 
 # ----------------------------------------------------------------------------- the eval loop
@@ -90,6 +91,8 @@ def evaluate_prompts(
     progress: str | None = None,
     decode: str = "eager",
     draft_sampling: str = "auto",
+    candidates: int = 0,
+    candidate_responses: int = 10,
 ) -> dict[str, Any]:
     """Run the real speculative loop over conversations; measured tau and friends.
 
@@ -105,7 +108,10 @@ def evaluate_prompts(
     `decode` (static_decode.DECODE_MODES) picks how both loops run the models: "graphs"
     replays CUDA graphs of fixed-size caches, "eager" runs HF's dynamic cache; the result's
     "decode" says which ran. `draft_sampling` (speculative.DRAFT_SAMPLING) says whether drafts
-    are sampled at temperature > 0 (verified by rejection sampling) or greedy.
+    are sampled at temperature > 0 (verified by rejection sampling) or greedy. `candidates`
+    K > 0 (temperature 0 only): walk the first `candidate_responses` answers again, which are
+    the target's greedy output, for the walked tau, the oracle top-K tau and per-slot recall
+    (walk.candidate_walk), under "candidates".
     """
     from tqdm import tqdm
 
@@ -132,10 +138,15 @@ def evaluate_prompts(
             steps = [a for g in run.spec_gens for a in g.accepted]
             if steps:
                 bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
-    return {
+    out = {
         "decode": engines.mode,
         **summarize(run.responses, run.spec_gens, run.base_gens, block.block_size, run.greedy),
     }
+    if candidates and run.greedy and module is not None:
+        with _eval_mode(module):
+            answers = run.answers[:candidate_responses]
+            out["candidates"] = candidate_walk(module, target, answers, candidates)
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -200,6 +211,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "greedily with DFlash",
     )
     p.add_argument(
+        "--candidates",
+        type=int,
+        default=0,
+        metavar="K",
+        help="at temperature 0, also walk the answers for the oracle top-K tau and per-slot "
+        "recall@1/@K (0 = off)",
+    )
+    p.add_argument(
+        "--candidate-responses",
+        type=int,
+        default=10,
+        help="answers walked for --candidates per prompt set",
+    )
+    p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (logs of detached jobs)"
     )
     p.add_argument("--json", help="write the JSON report here")
@@ -242,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
             progress=None if args.no_progress else label,
             decode=args.decode,
             draft_sampling=args.draft_sampling,
+            candidates=args.candidates,
+            candidate_responses=args.candidate_responses,
         )
         res["num_prompts"], res["source"], res["total_prompts"] = len(ps.prompts), ps.name, ps.total
         results[label] = res

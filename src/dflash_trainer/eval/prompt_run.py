@@ -71,6 +71,8 @@ class PromptRun:
         self.spec_gens: list[Generation] = []
         self.base_gens: list[Generation] = []
         self.responses: list[dict[str, Any]] = []
+        self.answers: list[tuple[list[int], list[int]]] = []
+        """(prompt ids, speculative answer ids) of every response."""
 
     def loops(self, ids: list[int], speculative: bool) -> dict[str, Any]:
         """generate()'s drafter and runner for this prompt (both loops share the runner)."""
@@ -105,6 +107,7 @@ class PromptRun:
         gen = _generator(self.target.device, seed)
         g = generate(self.target, ids, generator=gen, **self.kw, **self.loops(ids, True))
         self.spec_gens.append(g)
+        self.answers.append((ids, list(g.tokens)))
         rec = _record(g, prompt_id, history)
         if self.baseline:
             gen = _generator(self.target.device, seed)

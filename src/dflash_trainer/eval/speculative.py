@@ -145,6 +145,8 @@ class DFlashBlockDrafter:
         self.top_k = spec.selector_top_k
         self.temperature = 0.0
         self.generator: torch.Generator | None = None
+        self.last_hidden: torch.Tensor | None = None
+        """The last block's normed hidden states (the candidate walk reads them)."""
         self.block_size: int = spec.block_size if block_size is None else block_size
         if not 2 <= self.block_size <= spec.block_size:
             raise DFlashError(
@@ -198,6 +200,7 @@ class DFlashBlockDrafter:
         anchor_emb = self.target.embed(anchor).to(self.dtype)
         block = torch.cat([anchor_emb, self.mask_emb_1H.expand(self.block_size - 1, -1)])
         hidden_BH = self.model.step(self.cache, block, ids_N.numel() - 1)
+        self.last_hidden = hidden_BH
         tokens, q, ids = draft_tokens(
             hidden_BH[1:],
             self.target.lm_head_weight,

@@ -115,3 +115,100 @@ def walked_tau(
         "steps": float(n),
         "tau": (sum(steps) + n) / n if n else float("nan"),
     }
+
+
+# ------------------------------------------------------------- candidates along the walk
+
+
+@torch.no_grad()
+def _block_candidates(
+    adapter: DFlashBlockDrafter, ids: torch.Tensor, new_feats: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafted tokens [S], top-k candidates [S, k]) of the block anchored at ids[-1]."""
+    drafts = adapter(ids, new_feats)
+    assert isinstance(drafts, torch.Tensor), "candidates are walked greedily"
+    hidden = adapter.last_hidden
+    assert hidden is not None
+    w = adapter.target.lm_head_weight
+    cand = (hidden[1:].to(w.dtype) @ w.t()).topk(k, dim=-1).indices
+    return drafts, cand
+
+
+def _walk_span(
+    adapter: DFlashBlockDrafter,
+    ids: torch.Tensor,
+    features: torch.Tensor,
+    greedy: torch.Tensor,
+    span: tuple[int, int],
+    k: int,
+    oracle: bool,
+    tally: dict[str, Any],
+) -> list[int]:
+    """Accepted drafts per step over one answer; the oracle accepts a slot whenever the
+    target's token is among its k candidates, the drafter when its own draft is it."""
+    start, end = span
+    adapter.start(ids[:start], features[:start])
+    a, prev, steps = start, start, []
+    block = adapter.block_size
+    while a < end - 1:
+        drafts, cand = _block_candidates(
+            adapter, ids[: a + 1], features[prev:a] if a > prev else None, k
+        )
+        prev = a
+        limit = min(block - 1, end - 1 - a)
+        want = greedy[a : a + limit]
+        hit_k = (cand[:limit] == want[:, None]).any(-1).tolist()
+        hit_1 = (cand[:limit, 0] == want).tolist()
+        right = (drafts[:limit] == want).tolist()
+        ok = hit_k if oracle else right
+        run = 0
+        while run < limit and ok[run]:
+            run += 1
+        if not oracle:  # recall of the slots the drafter's walk reached
+            for s in range(min(run + 1, limit)):
+                tally["reached"][s] += 1
+                tally["at1"][s] += int(hit_1[s])
+                tally["atk"][s] += int(hit_k[s])
+        steps.append(run)
+        a += run + 1
+    return steps
+
+
+def candidate_walk(
+    drafter: nn.Module,
+    target: FrozenTarget,
+    answers: Sequence[tuple[list[int], list[int]]],
+    k: int,
+) -> dict[str, Any]:
+    """Along the target's own greedy answers ((prompt ids, answer ids) pairs): the drafter's
+    walked tau, the tau of an oracle that picks the target's token whenever it is among
+    each slot's top-k candidates, and per-slot recall@1 / recall@k of the slots the walk
+    reaches (each conditioned on the earlier slots being right). With DFlash2 the drafts
+    are the selector's walk; the candidates are the backbone's top-k either way."""
+    adapter = DFlashBlockDrafter(drafter, target)
+    s = adapter.block_size - 1
+    tally: dict[str, Any] = {"reached": [0] * s, "at1": [0] * s, "atk": [0] * s}
+    walked: list[int] = []
+    oracle: list[int] = []
+    for prompt, answer in answers:
+        if len(answer) < 2:
+            continue
+        ids = torch.tensor(prompt + answer, dtype=torch.long, device=target.device)
+        features, greedy = teacher_forced(target, ids)
+        span = (len(prompt), ids.numel())
+        walked += _walk_span(adapter, ids, features, greedy, span, k, False, tally)
+        oracle += _walk_span(adapter, ids, features, greedy, span, k, True, tally)
+
+    def tau(steps: list[int]) -> float:
+        return (sum(steps) + len(steps)) / len(steps) if steps else float("nan")
+
+    reached = tally["reached"]
+    return {
+        "k": k,
+        "responses": len(answers),
+        "walked_tau": tau(walked),
+        "oracle_tau": tau(oracle),
+        "recall_at_1": [a / r if r else None for a, r in zip(tally["at1"], reached)],
+        "recall_at_k": [a / r if r else None for a, r in zip(tally["atk"], reached)],
+        "slots_reached": reached,
+    }
