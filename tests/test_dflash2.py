@@ -164,7 +164,8 @@ def test_dflash2_rules_and_init_differences():
     one, two = make_spec(), make_spec(kind="dflash2", selector_top_k=8)
     assert init_differences(one, two) == {}  # a DFlash backbone may start DFlash2
     assert "kind" in init_differences(two, one)  # not the other way round
-    assert "block_size" in init_differences(make_spec(block=8), two)
+    assert init_differences(make_spec(block=8), two) == {}  # block size is no weight shape
+    assert "num_layers" in init_differences(make_spec(layers=3), two)
 
 
 def brute_greedy(lattice: torch.Tensor) -> list[int]:
@@ -330,3 +331,13 @@ def test_selector_tau_is_the_walked_acceptance():
         while acc < b - 1 and walked[acc] == label[0, acc + 1]:
             acc += 1
         assert float(m["selector_tau"]) == acc + 1, trial
+
+
+def test_top_candidates_break_ties_by_id_so_candidate_zero_is_the_argmax():
+    from dflash_trainer.core.fused_head import top_candidates
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [2.0, 2.0, 1.0, 2.0, 0.0]])
+    vals, ids = top_candidates(logits, 4)
+    assert ids.tolist() == [[1, 2, 4, 0], [0, 1, 3, 2]]
+    assert vals.tolist() == [[3.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 1.0]]
+    assert torch.equal(ids[:, 0], logits.argmax(-1))

@@ -54,31 +54,8 @@ mkdir -p "$OUT" "$RET"
 EVAL_NEW_TOKENS="${EVAL_NEW_TOKENS:-256}"
 export SAMPLES="${SAMPLES:-40}"
 
-pack() {  # every small result under $OUT into $RET/results.tgz, written whole or not at all
-  local tmp="$RET/.results.$BASHPID"  # the minute packer and a stage may pack at once
-  (cd "$OUT" && find . -path ./ret -prune -o -type f \( -name '*.json' -o -name '*.md' \
-    -o -name '*.png' -o -name '*.log' -o -name '*.txt' -o -name '*.jsonl' \) -size -8M -print \
-    | grep -v -e '/prompts.jsonl' -e '/regen.jsonl' -e '/synth' -e '/sample_' -e '/all_prompts' \
-    | tar czf "$tmp" -T -) && mv "$tmp" "$RET/results.tgz"
-}
-stage() {  # name, then the command; skipped when done, packed either way
-  local name=$1
-  shift
-  if [ -e "$OUT/done_$name" ]; then echo "== $name: done"; return 0; fi
-  echo "== $name ($(date -u +%H:%M:%S))"
-  local t0=$SECONDS
-  if "$@"; then
-    echo "$((SECONDS - t0))" > "$OUT/done_$name"
-    echo "== $name finished in $((SECONDS - t0)) s"
-  else
-    echo "== $name FAILED after $((SECONDS - t0)) s (log above or under $OUT); later stages go on"
-  fi
-  pack
-}
-# Pack every minute as well: a poll sees the training's progress, not only finished stages.
-(while sleep 60; do pack 2> /dev/null; done) &
-packer=$!
-trap 'kill $packer 2> /dev/null' EXIT
+source "$REPO/benchmarks/stages.sh"
+start_packer
 
 prompts() {  # the prompts file the speed and data stages read
   if [ -n "${PROMPTS:-}" ]; then

@@ -38,6 +38,17 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def top_candidates(logits_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, ids) [R, k] of each row's k best tokens, best first, equal logits by
+    ascending id: candidate 0 is then always torch.argmax's token, so an untrained selector
+    drafts exactly DFlash's argmax even where a quantized lm_head has tied rows."""
+    vals, ids = logits_RV.topk(k, dim=-1)
+    ids, order = ids.sort(dim=-1)
+    vals = vals.gather(-1, order)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(-1, order)
+
+
 @dataclass(frozen=True)
 class HeadSettings:
     base: str = "ce"
@@ -109,7 +120,7 @@ def _chunk(
             g_alpha = qm - q * qm.sum(-1, keepdim=True)
         out["g_alpha"] = _to_hidden(g_alpha, weight, h)
     if hs.top_k:
-        vals, ids = logits.topk(hs.top_k, dim=-1)
+        vals, ids = top_candidates(logits, hs.top_k)
         out["cand_ids"], out["cand_logits"] = ids, vals
     return out
 

@@ -78,9 +78,12 @@ def init_differences(theirs: DrafterSpec, mine: DrafterSpec) -> dict[str, tuple[
     """Fields in which a drafter to start from differs from this run's: {field: (theirs, mine)}.
 
     A DFlash drafter may start a DFlash2 run: the backbone must match and the new modules
-    start as no-ops, so the DFlash2 fields are not compared then.
+    start as no-ops, so the DFlash2 fields are not compared then. The block size is no
+    weight's dimension: a drafter trained at one block size may continue at another.
     """
-    skip = DFLASH2_FIELDS if (theirs.kind, mine.kind) == ("dflash", "dflash2") else ()
+    skip: tuple[str, ...] = ("block_size",)
+    if (theirs.kind, mine.kind) == ("dflash", "dflash2"):
+        skip += DFLASH2_FIELDS
     a, b = theirs.to_dict(), mine.to_dict()
     return {k: (a[k], b[k]) for k in a if k not in skip and a[k] != b[k]}
 

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from dflash_trainer.core.dflash2 import CandidateSelector, walk_greedy, walk_sample
+from dflash_trainer.core.fused_head import top_candidates
 
 
 class Proposal(NamedTuple):
@@ -73,7 +74,7 @@ def draft_tokens(
             return logits.argmax(-1), None, None
         q = torch.softmax(logits / temperature, dim=-1)
         return _inverse_cdf(q, uniforms_S), q, None
-    vals, cand = logits.topk(top_k, dim=-1)
+    vals, cand = top_candidates(logits, top_k)
     lattice = selector.lattice(hidden_SH, anchor_id.view(()), cand, vals)
     if uniforms_S is None:
         pick = walk_greedy(lattice)

@@ -17,6 +17,9 @@ were accepted, so they ARE the prefix). Samples after the first rejection are di
 and that decision depends only on earlier samples, so the output is distributed exactly as
 target-only sampling; at temperature 0 it is the target's greedy output. For a greedy drafter
 this accept rule has the same acceptance probability as rejection sampling (p_target(d_i)).
+A drafter that samples its drafts at temperature > 0 returns a `Proposal` (the drafts and the
+q they were drawn from: DFlash2's selector walk, or DFlash with draft sampling on), which is
+verified by rejection sampling instead (eval/drafting.py), also exact.
 
 The target-only baseline is the same function with `drafter=None` (a block of the anchor
 alone, no taps), so the speedup compares two runs of one implementation.

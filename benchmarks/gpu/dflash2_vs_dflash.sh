@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# DFlash against DFlash2 on SmolLM2-135M-Instruct at equal training budget: both kinds continue
+# from the same starting drafter on the same prepared set with the same steps, anchors, seed
+# and schedule (a DFlash2 drafter starts from the DFlash backbone with its convolutions and
+# selector as no-ops), at block 16 and block 8; then all four are served side by side
+# (benchmarks/dflash2_vs_dflash.py: one target-only baseline per set and temperature, CUDA
+# graphs, GSM8K / MT-Bench both turns / HumanEval, t=0 and t=1).
+#
+#   bash benchmarks/gpu/dflash2_vs_dflash.sh
+#   STAGES="prepare train_b16 eval" STEPS=50 SAMPLES=4 bash benchmarks/gpu/dflash2_vs_dflash.sh
+#
+# Stages (STAGES, in order; finished ones skipped, a failed one reported and the next run):
+#   prepare    the regenerated set (REGEN) tokenized, loop tails masked
+#   train_b16  dflash_b16 and dflash2_b16 from INIT, both at once on the GPU (their
+#              throughput is not what this measures)
+#   train_b8   dflash_b8 and dflash2_b8 from INIT (block 8, gamma 4), likewise
+#   eval       every trained drafter served side by side (plus dflash_b16 with drafts sampled
+#              from its own distribution at t > 0), then the weights packed
+# Inputs: REGEN (the target's answers to 10,752 ShareGPT prompts, kept in benchmarks/results),
+#   INIT (the published drafter; training waits up to INIT_WAIT seconds for it to appear),
+#   the SmolLM2 and eval-set asset packages
+#   (benchmarks/offline_bundle.sh carries them to a machine without a registry).
+# Knobs: STEPS (300), LR (2e-4), WARMUP (0.1), BUDGET (32768 tokens a step), ANCHORS (2048),
+#   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
+#   DEVICE (cuda; cpu rehearses with tiny knobs), OUT (benchmarks/out/dflash2_vs_dflash),
+#   RET ($OUT/ret).
+# Outputs: $OUT/eval/dflash2_vs_dflash.json and a report per drafter, set and temperature;
+#   $OUT/<name>/ the runs; $RET/results.tgz (every JSON, log and plot), $RET/weights-<name>.tgz.part-*
+#   (the DFlash2 b16 drafter's files in bf16, 15 MB parts: `cat ... | tar xz`).
+# Runtime on one H100: prepare 20 s, each training about a minute, eval about 15 minutes.
+# Result document: benchmarks/dflash2_vs_dflash_smollm2_<gpu>_<date>.md
+source "$(dirname "$0")/../lib.sh"
+OUT="${OUT:-$REPO/benchmarks/out/dflash2_vs_dflash}"
+RET="${RET:-$OUT/ret}"
+DEVICE="${DEVICE:-cuda}"
+REGEN="${REGEN:-$REPO/benchmarks/results/smollm2-135m_sweep_h200_202612/regenerated_sharegpt_smollm2.jsonl.gz}"
+INIT="${INIT:-$REPO/drafters/smollm2-135m-dflash-b16}"
+mkdir -p "$OUT" "$RET"
+source "$REPO/benchmarks/stages.sh"
+start_packer
+report_env | tee "$OUT/env.txt"
+
+prepare() {
+  $DFLASH data prepare --input "$REGEN" --tokenizer asset:smollm2-135m-instruct \
+    --out "$OUT/prep" --eval-fraction 0.01 --loop-tails mask --overwrite > "$OUT/prepare.log" 2>&1
+}
+
+train_run() {  # name, kind, block: one continuation from INIT
+  local name=$1 kind=$2 block=$3 gamma=7.0
+  [ "$block" = 8 ] && gamma=4.0
+  [ -d "$OUT/$name/drafter" ] && return 0
+  local device=()
+  [ "$DEVICE" = cuda ] || device=(training.device=cpu data.max_doc_tokens=1024)
+  $DFLASH train --recipe smollm2-135m "data.train=$OUT/prep" "run.output_dir=$OUT/$name" \
+    "drafter.init_from=$INIT" "drafter.kind=$kind" "drafter.block_size=$block" \
+    "training.gamma=$gamma" "training.max_steps=${STEPS:-300}" "training.lr=${LR:-2e-4}" \
+    "training.warmup_ratio=${WARMUP:-0.1}" "data.token_budget=${BUDGET:-32768}" \
+    "training.max_anchors=${ANCHORS:-2048}" training.eval_every=0 \
+    training.checkpoint_every=100000 training.log_every=25 "${device[@]}" \
+    > "$OUT/$name.log" 2>&1
+}
+pair() {  # the two kinds at one block size, side by side on the GPU (their compiles overlap)
+  local block=$1 a b
+  wait_for_init || return 1
+  train_run "dflash_b$block" dflash "$block" &
+  a=$!
+  train_run "dflash2_b$block" dflash2 "$block" &
+  b=$!
+  wait $a && wait $b
+}
+train_b16() { pair 16; }
+train_b8() { pair 8; }
+
+wait_for_init() {  # INIT may arrive after the driver started (a later transfer)
+  local t=0
+  until [ -e "$INIT/model.safetensors" ] || [ -e "$INIT/drafter.safetensors" ]; do
+    [ $t -ge "${INIT_WAIT:-600}" ] && { echo "no drafter at INIT=$INIT"; return 1; }
+    sleep 5
+    t=$((t + 5))
+  done
+}
+
+eval_all() {
+  local args=() name
+  for name in dflash_b16 dflash2_b16 dflash_b8 dflash2_b8; do
+    [ -d "$OUT/$name/drafter" ] && args+=(--drafter "$name=$OUT/$name")
+  done
+  [ -d "$OUT/dflash_b16/drafter" ] && args+=(--also "dflash_b16_sampled=$OUT/dflash_b16:sample")
+  local dev=()
+  [ "$DEVICE" = cuda ] || dev=(--device cpu --decode eager)
+  "$PY" benchmarks/dflash2_vs_dflash.py "${args[@]}" --sets "${SETS:-gsm8k,mt-bench,humaneval}" \
+    --samples "${SAMPLES:-40}" --max-new-tokens "${EVAL_NEW_TOKENS:-256}" \
+    --temperatures "${TEMPS:-0,1}" --out "$OUT/eval" "${dev[@]}" > "$OUT/eval.log" 2>&1
+  local rc=$?
+  pack_weights dflash2_b16
+  return $rc
+}
+
+pack_weights() {  # a run's final drafter files in bf16, in parts under 16 MB
+  local name=$1 dir="$OUT/weights/$1"
+  [ -d "$OUT/$name/drafter" ] || return 0
+  "$PY" - "$OUT/$name/drafter" "$dir" << 'PYEOF'
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+dst.mkdir(parents=True, exist_ok=True)
+state = load_file(str(src / "drafter.safetensors"))
+save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
+          str(dst / "drafter.safetensors"))
+for f in ("spec.json", "meta.json"):
+    shutil.copy(src / f, dst / f)
+print(json.dumps({"tensors": len(state), "dir": str(dst)}))
+PYEOF
+  rm -f "$RET/weights-$name.tgz.part-"*
+  tar czf - -C "$OUT/weights" "$name" | split -b 15000000 - "$RET/weights-$name.tgz.part-"
+}
+
+for s in ${STAGES:-prepare train_b16 train_b8 eval}; do
+  case $s in
+    prepare | train_b16 | train_b8) stage "$s" "$s" ;;
+    eval) stage eval eval_all ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+  esac
+done
+pack
+echo "== all stages ended ($(date -u +%H:%M:%S))"
