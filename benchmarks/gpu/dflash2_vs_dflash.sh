@@ -22,6 +22,8 @@
 #   (benchmarks/offline_bundle.sh carries them to a machine without a registry).
 # Knobs: STEPS (300), LR (2e-4), WARMUP (0.1), BUDGET (32768 tokens a step), ANCHORS (2048),
 #   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
+#   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), SAMPLED_DFLASH (1: also
+#   dflash_b16 with sampled drafts at t > 0),
 #   DEVICE (cuda; cpu rehearses with tiny knobs), OUT (benchmarks/out/dflash2_vs_dflash),
 #   RET ($OUT/ret).
 # Outputs: $OUT/eval/dflash2_vs_dflash.json and a report per drafter, set and temperature;
@@ -85,12 +87,15 @@ eval_all() {
   for name in dflash_b16 dflash2_b16 dflash_b8 dflash2_b8; do
     [ -d "$OUT/$name/drafter" ] && args+=(--drafter "$name=$OUT/$name")
   done
-  [ -d "$OUT/dflash_b16/drafter" ] && args+=(--also "dflash_b16_sampled=$OUT/dflash_b16:sample")
+  if [ "${SAMPLED_DFLASH:-1}" = 1 ] && [ -d "$OUT/dflash_b16/drafter" ]; then
+    args+=(--also "dflash_b16_sampled=$OUT/dflash_b16:sample")
+  fi
   local dev=()
   [ "$DEVICE" = cuda ] || dev=(--device cpu --decode eager)
   "$PY" benchmarks/dflash2_vs_dflash.py "${args[@]}" --sets "${SETS:-gsm8k,mt-bench,humaneval}" \
     --samples "${SAMPLES:-40}" --max-new-tokens "${EVAL_NEW_TOKENS:-256}" \
-    --temperatures "${TEMPS:-0,1}" --out "$OUT/eval" "${dev[@]}" > "$OUT/eval.log" 2>&1
+    --temperatures "${TEMPS:-0,1}" --candidate-responses "${CAND_RESPONSES:-10}" \
+    --out "$OUT/eval" "${dev[@]}" > "$OUT/eval.log" 2>&1
   local rc=$?
   pack_weights dflash2_b16
   return $rc
