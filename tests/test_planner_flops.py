@@ -115,6 +115,10 @@ def test_drafter_params_are_exact(cfg):
     assert drafter_params(spec) == count_parameters(DFlashDrafter(spec))
     biased = dataclasses.replace(spec, attention_bias=True)
     assert drafter_params(biased) == count_parameters(DFlashDrafter(biased))
+    d2 = dataclasses.replace(
+        spec, kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=6
+    )
+    assert drafter_params(d2) == count_parameters(DFlashDrafter(d2))
 
 
 @pytest.mark.parametrize("window", [None, 3, 40])

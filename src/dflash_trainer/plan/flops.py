@@ -79,11 +79,18 @@ def drafter_param_counts(spec: DrafterSpec) -> dict[str, int]:
     if bias:
         attn += hq * d + 2 * hkv * d + h
     layer = attn + 3 * h * inter + 2 * h
-    return {
+    out = {
         "fc": spec.num_context_features * h,
         "layers": spec.num_layers * layer,
         "norms": 2 * h,  # hidden_norm and the final norm
     }
+    if spec.is_dflash2:
+        k, groups = spec.conv_kernel_size, h // spec.conv_group_size
+        # Two convolutions a layer: base kernel [2, k, H] + projection [2kG, H].
+        out["convolutions"] = spec.num_layers * 2 * (2 * k * h + 2 * k * groups * h)
+        r = spec.selector_rank
+        out["selector"] = r * h + 2 * spec.vocab_size * r
+    return out
 
 
 def drafter_params(spec: DrafterSpec) -> int:
@@ -107,6 +114,22 @@ def drafter_forward_flops(
         f.add("mlp", 3 * 2 * q * h * inter, "linear")
         pairs = getattr(shape.pairs[kind], attention)
         f.add(f"attention.{kind}", 2 * 2 * hq * d * pairs, "attention")
+        if spec.is_dflash2:  # the two convolutions' coefficient projections
+            groups = h // spec.conv_group_size
+            f.add("conv_proj", 2 * 2 * q * h * 2 * spec.conv_kernel_size * groups, "linear")
+    return f
+
+
+def selector_flops(spec: DrafterSpec, rows: float) -> Flops:
+    """DFlash2's selector term over R rows, forward and backward: the gate P h (2RHr, and 4RHr
+    back: the input and weight gradients) and the pair scores of K candidates (2RKr, and 4RKr
+    back)."""
+    f = Flops()
+    if not spec.is_dflash2:
+        return f
+    r, k = spec.selector_rank, spec.selector_top_k
+    f.add("selector.gate", 3 * 2 * rows * spec.hidden_size * r, "linear")
+    f.add("selector.pairs", 3 * 2 * rows * k * r, "linear")
     return f
 
 
@@ -132,7 +155,7 @@ def loss_flops(spec: DrafterSpec, rows: float, loss: str) -> Flops:
     f = Flops()
     f.add("lm_head.forward", one, "lm_head")
     f.add("lm_head.hidden_grad", one, "lm_head")
-    if loss == "kl":
+    if loss in ("kl", "lk"):  # the target's distribution over the same rows
         f.add("lm_head.target_logits", one, "lm_head")
     return f
 

@@ -213,7 +213,7 @@ def loss_chunk_bytes(
 ) -> float:
     """Peak temporaries of one lm_head chunk in loss.py (fp32 logits, log-probs, grads)."""
     r = min(float(chunk_rows), rows)
-    per = 24.0 if loss == "kl" else 12.0 + (2 if lm_head_bytes == 2 else 0)
+    per = 24.0 if loss in ("kl", "lk") else 12.0 + (2 if lm_head_bytes == 2 else 0)
     return per * r * spec.vocab_size
 
 
@@ -280,8 +280,14 @@ def drafter_memory(
         "block_embeddings": float(a * q * h),
         "masks": float(len(set(spec.layer_types)) * q * (t + q)) if attention != "flex" else 0.0,
     }
-    if loss == "kl":
+    if loss in ("kl", "lk"):
         inputs["target_hidden_rows"] = float(lm_head_bytes * q * h)
+    if spec.is_dflash2:
+        # Saved for backward: each convolution's shifted copies and coefficients (k + 1 rows of
+        # [Q, H] a side), and the selector's gathered codebook rows and scores over R x K.
+        k, rk = spec.conv_kernel_size, r * spec.selector_top_k
+        inputs["dflash2_convolutions"] = float(spec.num_layers * 2 * 2 * (k + 1) * a * q * h)
+        inputs["selector_scores"] = float(4.0 * rk * spec.selector_rank * 3 + 4.0 * rk)
     if target_tables:
         # The target's lm_head (and, in pairs, its embedding table) kept on this GPU.
         inputs["target_tables"] = float(target_tables * lm_head_bytes * v * h)

@@ -35,6 +35,7 @@ from dflash_trainer.plan.flops import (
     drafter_forward_flops,
     drafter_params,
     loss_flops,
+    selector_flops,
     target_forward_flops,
 )
 from dflash_trainer.plan.gpu_plan import GpuPlan, gpu_plans
@@ -283,14 +284,28 @@ def predict(
 def _step_flops(s: _Setup) -> _StepFlops:
     """FLOPs of one micro-step per rank; attention counted as the chosen kernel runs it."""
     t = s.cfg.training
-    label_rows = s.shape.rows if (t.labels == "target" and t.loss == "ce") else 0.0
+    label_rows = s.shape.rows if (t.labels == "target" and not t.target_distribution) else 0.0
     attn_mode: AttentionCount = "tiles" if s.compiled else "dense"
     return _StepFlops(
         target=target_forward_flops(s.tm, s.shape, s.layers_run, label_rows),
         drafter_forward=drafter_forward_flops(s.spec, s.shape, attn_mode),
         drafter_backward=drafter_backward_flops(s.spec, s.shape, attn_mode, fused=s.compiled),
-        loss=loss_flops(s.spec, s.shape.rows, t.loss),
+        loss=_loss_terms(s),
     )
+
+
+def _head_loss(s: _Setup) -> str:
+    """The head's cost class: ce, or kl / lk, which read the target's distribution too (so
+    does an lk term beside ce)."""
+    t = s.cfg.training
+    return "lk" if t.target_distribution and t.loss == "ce" else t.loss
+
+
+def _loss_terms(s: _Setup) -> Flops:
+    """The head and its terms; DFlash2 adds the selector's scores."""
+    f = loss_flops(s.spec, s.shape.rows, _head_loss(s))
+    f.terms += selector_flops(s.spec, s.shape.rows).terms
+    return f
 
 
 def _flops_dict(s: _Setup, f: _StepFlops) -> dict[str, float]:
@@ -316,7 +331,7 @@ def _drafter_side(s: _Setup, attention: Attention, layers_compiled: bool) -> Dra
         bf16=t.precision == "bf16",
         attention=attention,
         noise=t.noise_std > 0,
-        loss=t.loss,
+        loss=_head_loss(s),
         chunk_rows=t.loss_chunk_rows,
         ddp=s.dp > 1 and s.cfg.distributed.data_parallel == "ddp",
         lm_head_bytes=s.tbytes,
@@ -380,7 +395,7 @@ def _step_times(s: _Setup, f: _StepFlops, calibration: Calibration | None) -> St
         f.loss,
         dmem.activation_bytes,
         shape.rows * spec.vocab_size,
-        t.loss,
+        _head_loss(s),
         drafter_params(spec),
         rates,
         s.dp,
@@ -392,7 +407,7 @@ def _step_times(s: _Setup, f: _StepFlops, calibration: Calibration | None) -> St
     if s.placement == "pairs":
         # Features, labels (and KL's target rows) go to the drafter GPU every step.
         moved = 1.0 * s.tbytes * shape.ctx_len * spec.num_context_features + 8.0 * shape.queries
-        if t.loss == "kl":
+        if t.target_distribution:
             moved += s.tbytes * shape.queries * spec.hidden_size
         transfer = moved / rates.link
     ts, ds = (calibration.target_scale, calibration.drafter_scale) if calibration else (1.0, 1.0)

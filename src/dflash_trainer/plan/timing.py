@@ -30,7 +30,7 @@ SCAN_EFFICIENCY = 0.01
 over 8,192 tokens took 958 ms where 0.5 predicted 572; the 386 ms gap is the 48 Gated
 DeltaNet layers (fla 0.6.0 chunk kernels under transformers 5.17, no causal-conv1d: many
 small fp32 Triton kernels), i.e. ~1% of the matmul rate on their 3.1 TFLOP."""
-LOSS_BYTES_PER_LOGIT = {"ce": 40.0, "kl": 110.0}
+LOSS_BYTES_PER_LOGIT = {"ce": 40.0, "kl": 110.0, "lk": 110.0}
 HOST_OVERHEAD_S = 0.001
 """Per step on the host, fixed: mask building, Python. Calibrated with HOST_PER_DOC_S on
 two SmolLM2 steps measured on the H200 (29 and 58 documents per step)."""
