@@ -227,3 +227,15 @@ def test_init_from_a_drafter_of_another_target_fails(tmp_path):
     d = save_drafter_files(tmp_path / "drafter", spec, state)
     msg = _failing(_doctor([f"drafter.init_from={d}"]), "geometry.init_from")
     assert "num_layers: 1 there vs 5 here" in msg and "intermediate_size" in msg
+
+
+def test_dflash2_fields_are_checked_against_the_target():
+    ok = _doctor(["drafter.kind=dflash2"])
+    assert [c.status for c in ok.checks if c.id == "geometry.dflash2"] == ["pass"]
+    assert "248320 tokens" in next(c.message for c in ok.checks if c.id == "geometry.dflash2")
+    bad = _doctor(["drafter.kind=dflash2", "drafter.conv_group_size=48"])
+    assert "does not divide hidden_size=5120" in _failing(bad, "geometry.dflash2")
+    big = _doctor(["drafter.kind=dflash2", "drafter.selector_top_k=4000"])
+    assert "selector_top_k=4000 exceeds" not in str(big.failures)  # within the vocab: fine
+    plain = _doctor([])
+    assert not [c for c in plain.checks if c.id == "geometry.dflash2"]

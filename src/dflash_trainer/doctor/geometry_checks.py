@@ -19,9 +19,11 @@ from dflash_trainer.core.geometry import (
     DrafterSpec,
     attention_geometry,
     default_target_layer_ids,
+    dflash2_problems,
     init_differences,
     resolve_drafter_spec,
     target_layer_ids,
+    text_config,
 )
 from dflash_trainer.doctor.report import Check, Status
 from dflash_trainer.errors import DFlashError
@@ -329,3 +331,52 @@ def check_init_from(cfg: Config, t: Any) -> list[Check]:
             )
         ]
     return [Check("geometry.init_from", "pass", f"drafter.init_from={path} matches this config")]
+
+
+def check_dflash2(cfg: Config, t: Any) -> list[Check]:
+    """DFlash2's fields against the target: every broken rule, and the vocabulary the
+    selector indexes (the target's whole lm_head: no pruned draft vocabulary)."""
+    d = cfg.drafter
+    if d.kind != "dflash2":
+        return []
+    hidden, vocab = int(text_config(t).hidden_size), int(text_config(t).vocab_size)
+    spec = DrafterSpec(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        target_hidden_size=hidden,
+        num_target_hidden_layers=int(text_config(t).num_hidden_layers),
+        target_layer_ids=(0,),
+        block_size=d.block_size,
+        mask_token_id=0,
+        num_layers=d.num_layers,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=2,
+        intermediate_size=1,
+        rope_theta=1.0,
+        layer_types=d.resolved_layer_types(),
+        sliding_window=d.sliding_window,
+        rms_norm_eps=d.rms_norm_eps,
+        max_position_embeddings=1,
+        kind="dflash2",
+        conv_kernel_size=d.conv_kernel_size,
+        conv_group_size=d.conv_group_size,
+        selector_rank=d.selector_rank,
+        selector_top_k=d.selector_top_k,
+    )
+    problems = dflash2_problems(spec)
+    if problems:
+        return [
+            Check("geometry.dflash2", "fail", p, "change the named drafter field") for p in problems
+        ]
+    groups = hidden // d.conv_group_size
+    codebooks = 2 * vocab * d.selector_rank
+    return [
+        Check(
+            "geometry.dflash2",
+            "pass",
+            f"{d.conv_kernel_size} taps, {groups} groups of {d.conv_group_size} channels; the "
+            f"selector ranks {d.selector_top_k} of the target's {vocab} tokens (its two "
+            f"codebooks hold {codebooks / 1e6:.1f}M parameters)",
+        )
+    ]

@@ -22,7 +22,12 @@ from typing import Any
 from dflash_trainer.config import Config, ConfigError
 from dflash_trainer.doctor.context_checks import check_rope, check_sliding
 from dflash_trainer.doctor.data_checks import DataSample, check_data, load_data_sample
-from dflash_trainer.doctor.geometry_checks import check_geometry, check_init_from, check_layers
+from dflash_trainer.doctor.geometry_checks import (
+    check_dflash2,
+    check_geometry,
+    check_init_from,
+    check_layers,
+)
 from dflash_trainer.doctor.report import Check, DoctorReport
 from dflash_trainer.doctor.token_checks import check_mask_token, scan_tokens
 from dflash_trainer.doctor.training_checks import (
@@ -131,6 +136,7 @@ def run_doctor(
     report.checks += check_geometry(cfg, t)
     report.checks += check_layers(cfg, t)
     report.checks += check_init_from(cfg, t)
+    report.checks += check_dflash2(cfg, t)
     sample = _data_sample(cfg, data, report)
     report.checks += _mask_checks(cfg, t, use_tokenizer, sample)
     report.checks += check_rope(cfg, t)
