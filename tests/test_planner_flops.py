@@ -24,6 +24,7 @@ from dflash_trainer.plan.flops import (
     drafter_forward_flops,
     drafter_params,
     loss_flops,
+    selector_flops,
     target_forward_flops,
 )
 from dflash_trainer.plan.workload import AttentionPairs, StepShape, count_pairs, synthetic_pack
@@ -41,7 +42,9 @@ SPECS = [
         window=5,
     ),
     dict(layers=3, block=8, heads=6, kv_heads=3, head_dim=8, hidden=96, vocab=211, n_tapped=2),
-]
+    dict(layers=2, block=4, heads=4, kv_heads=2, head_dim=16, kind="dflash2", conv_group_size=8,
+         selector_rank=12, selector_top_k=5),
+]  # fmt: skip
 
 
 def _settings(spec, loss: str) -> StepSettings:
@@ -55,6 +58,7 @@ def _settings(spec, loss: str) -> StepSettings:
         gamma=4.0,
         dpace_alpha=0.5,
         chunk_rows=7,
+        top_k=spec.selector_top_k if spec.is_dflash2 else 0,
     )
 
 
@@ -104,6 +108,7 @@ def test_drafter_step_flops_match_flop_counter(cfg, loss):
         drafter_forward_flops(spec, shape, "dense").total()
         + drafter_backward_flops(spec, shape, "dense").total()
         + loss_flops(spec, shape.rows, loss).total()
+        + selector_flops(spec, shape.queries).total()
     )
     assert measured > 0
     assert predicted == pytest.approx(measured, rel=0.05)

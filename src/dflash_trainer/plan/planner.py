@@ -304,7 +304,7 @@ def _head_loss(s: _Setup) -> str:
 def _loss_terms(s: _Setup) -> Flops:
     """The head and its terms; DFlash2 adds the selector's scores."""
     f = loss_flops(s.spec, s.shape.rows, _head_loss(s))
-    f.terms += selector_flops(s.spec, s.shape.rows).terms
+    f.terms += selector_flops(s.spec, s.shape.queries).terms  # it scores every slot
     return f
 
 
