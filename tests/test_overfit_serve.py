@@ -113,39 +113,45 @@ def write_one_document(path: Path, ids: list[int], prompt_len: int) -> Path:
     return path
 
 
-def train_config(tmp: Path, target: Path, data: Path, steps: int) -> Any:
-    return config_from_dict(
-        {
-            "target": {"name_or_path": str(target), "dtype": "float32"},
-            "drafter": {
-                "num_layers": 2,
-                "block_size": BLOCK,
-                "target_layer_ids": LAYER_IDS,
-                "mask_token_id": MASK_ID,
-                "geometry": None,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 8,
-                # window 6 < block 8: the window cuts inside the block, so a window
-                # applied differently in training and serving would show
-                "layer_types": ["sliding_attention", "full_attention"],
-                "sliding_window": 6,
-            },
-            "data": {"train": str(data), "token_budget": 128},
-            "training": {
-                "max_steps": steps,
-                "lr": 3e-3,
-                "warmup_ratio": 0.0,
-                "max_anchors": 64,
-                "log_every": 50,
-                "checkpoint_every": 10_000,
-                "compile": False,
-                "precision": "fp32",
-                "device": "cpu",
-            },
-            "run": {"output_dir": str(tmp / "run")},
-        }
-    )
+def train_config(
+    tmp: Path, target: Path, data: Path, steps: int, drafter: dict[str, Any] | None = None
+) -> Any:
+    cfg = _config_dict(tmp, target, data, steps)
+    cfg["drafter"].update(drafter or {})
+    return config_from_dict(cfg)
+
+
+def _config_dict(tmp: Path, target: Path, data: Path, steps: int) -> dict[str, Any]:
+    return {
+        "target": {"name_or_path": str(target), "dtype": "float32"},
+        "drafter": {
+            "num_layers": 2,
+            "block_size": BLOCK,
+            "target_layer_ids": LAYER_IDS,
+            "mask_token_id": MASK_ID,
+            "geometry": None,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            # window 6 < block 8: the window cuts inside the block, so a window
+            # applied differently in training and serving would show
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 6,
+        },
+        "data": {"train": str(data), "token_budget": 128},
+        "training": {
+            "max_steps": steps,
+            "lr": 3e-3,
+            "warmup_ratio": 0.0,
+            "max_anchors": 64,
+            "log_every": 50,
+            "checkpoint_every": 10_000,
+            "compile": False,
+            "precision": "fp32",
+            "device": "cpu",
+        },
+        "run": {"output_dir": str(tmp / "run")},
+    }
 
 
 @dataclasses.dataclass
@@ -170,7 +176,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
         torch.set_num_threads(before)
 
 
-def _train(tmp: Path) -> Trained:
+def _train(tmp: Path, drafter: dict[str, Any] | None = None) -> Trained:
     target_dir = write_tiny_target(tmp / "target")
     tok = word_tokenizer()
     tok.save_pretrained(target_dir)  # `dflash eval --target DIR` loads it from there
@@ -179,7 +185,7 @@ def _train(tmp: Path) -> Trained:
     messages, doc = pick_document(target, tok)
     prompt_len = len(render_prompt(tok, messages, enable_thinking=False))
     data = write_one_document(tmp / "data", doc, prompt_len)
-    cfg = train_config(tmp, target_dir, data, steps=STEPS)
+    cfg = train_config(tmp, target_dir, data, steps=STEPS, drafter=drafter)
     t0 = time.perf_counter()
     Trainer(cfg, log_to_console=False).train()
     train_s = time.perf_counter() - t0
@@ -320,4 +326,64 @@ def test_a_broken_serving_path_fails_the_gate(trained: Trained, broken: str) -> 
         else:
             tau, _ = reader_tau(trained, [1, 0])
     print(f"{broken}: tau {tau:.3f}")
+    assert tau < 0.5 * BLOCK, tau
+
+
+# ----------------------------------------------------------------------------- DFlash2
+
+DFLASH2 = {
+    "kind": "dflash2",
+    "conv_group_size": 8,
+    "selector_rank": 8,
+    "selector_top_k": 4,
+    # DFlash2 engines run sliding layers bidirectionally inside the block; full layers are
+    # what every engine and this trainer agree on.
+    "layer_types": ["full_attention", "full_attention"],
+}
+SAMPLED = EvalConfig(max_new_tokens=NEW_TOKENS, temperature=0.01, seed=3)
+"""The sampled path (the selector's walk drawn from q, verified by rejection sampling) at a
+temperature where the target's samples follow its greedy answer: this tiny target's logits
+are O(1), so already at 0.1 its first sampled token leaves the memorized answer, after
+which no memorizing drafter can be right. The sampled path's exactness at temperature 1 is
+tests/test_speculative_sampling.py's chi-square test."""
+
+
+@pytest.fixture(scope="module")
+def trained2(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(tmp_path_factory.mktemp("overfit2"), DFLASH2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dflash2_eval_loop_accepts_the_memorized_answer_greedy_and_sampled(
+    trained2: Trained,
+) -> None:
+    drafter, _ = build_drafter(trained2.run_dir)
+    assert drafter.candidate_selector is not None
+    args = (trained2.target, trained2.tokenizer, [trained2.messages])
+    greedy = evaluate_prompts(drafter, *args, GREEDY, baseline=True)
+    print(f"DFlash2 train {trained2.train_s:.1f} s; t=0 tau {greedy['tau']:.3f}")
+    assert greedy["lossless_mismatches"] == 0
+    assert greedy["tau"] >= GATE, greedy["responses"][0]["accepted"]
+    sampled = evaluate_prompts(drafter, *args, SAMPLED)
+    print(f"DFlash2 sampled walk tau {sampled['tau']:.3f}")
+    assert sampled["tau"] >= GATE, sampled["responses"][0]["accepted"]
+
+
+@pytest.mark.parametrize("broken", ["convolutions dropped", "convolution taps swapped"])
+def test_a_broken_dflash2_serving_path_fails_the_gate(trained2: Trained, broken: str) -> None:
+    drafter, _ = build_drafter(trained2.run_dir)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            if broken == "convolutions dropped":
+                layer.attention_conv = layer.mlp_conv = None
+            else:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.copy_(conv.base_kernel.flip(1))
+    args = (trained2.target, trained2.tokenizer, [trained2.messages])
+    tau = evaluate_prompts(drafter, *args, GREEDY)["tau"]
+    print(f"DFlash2 {broken}: tau {tau:.3f}")
     assert tau < 0.5 * BLOCK, tau
