@@ -24,7 +24,8 @@ WORKER = textwrap.dedent(
     from dflash_trainer.train.trainer import Trainer
     from dflash_trainer.errors import DFlashError
     tmp, parallel, steps, resume = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-    cfg = tiny_config(tmp, distributed={{"data_parallel": parallel}},
+    drafter = json.loads(sys.argv[5])
+    cfg = tiny_config(tmp, distributed={{"data_parallel": parallel}}, drafter=drafter,
                       run={{"output_dir": str(tmp / ("run-" + parallel))}},
                       training={{"max_steps": steps, "checkpoint_every": 2, "log_every": 1}})
     try:
@@ -37,20 +38,33 @@ WORKER = textwrap.dedent(
 )
 
 
-def _launch(tmp: Path, parallel: str, steps: int, world: int = 2, resume: bool = False):
+DFLASH2 = {"kind": "dflash2", "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+
+
+def _launch(
+    tmp: Path,
+    parallel: str,
+    steps: int,
+    world: int = 2,
+    resume: bool = False,
+    drafter: dict | None = None,
+):
     # Write the tiny target and data here, once: two ranks writing them into one
     # folder at the same time race (a rank may read the other's half-written file).
     tiny_config(tmp)
     script = tmp / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    args = [str(tmp), parallel, str(steps), "1" if resume else "0"]
+    args = [str(tmp), parallel, str(steps), "1" if resume else "0", json.dumps(drafter or {})]
     return run_ranks(script, args, world, timeout_s=300)
 
 
-def _single_process_reference(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
+def _single_process_reference(
+    tmp: Path, steps: int, drafter: dict | None = None
+) -> dict[str, torch.Tensor]:
     # Same global batch: one process consumes both ranks' documents as 2 micro-steps.
     cfg = tiny_config(
         tmp,
+        drafter=drafter or {},
         run={"output_dir": str(tmp / "single")},
         training={"max_steps": steps, "grad_accum_steps": 2, "checkpoint_every": 100},
     )
@@ -60,11 +74,13 @@ def _single_process_reference(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, parallel):
-    rcs, outs = _launch(tmp_path, parallel, steps=3)
+def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, parallel, kind):
+    drafter = DFLASH2 if kind == "dflash2" else None
+    rcs, outs = _launch(tmp_path, parallel, steps=3, drafter=drafter)
     assert rcs == [0, 0], "\n".join(outs)
-    ref = _single_process_reference(tmp_path, steps=3)
+    ref = _single_process_reference(tmp_path, steps=3, drafter=drafter)
     got = load_file(str(tmp_path / f"run-{parallel}" / "drafter" / "drafter.safetensors"))
     assert set(got) == set(ref)
     for k in ref:
