@@ -133,3 +133,38 @@ def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
     for d, f in zip(runs["dense"], runs["flex"]):
         assert d.tokens == f.tokens
         assert math.isclose(d.loss, f.loss, rel_tol=2e-2), (d.loss, f.loss)
+
+
+def test_cuda_dflash2_compiled_fast_step_matches_standard_and_never_waits(tmp_path):
+    """DFlash2 (convolutions inside the compiled layers, the selector's term in the loss) on
+    the fast step: the standard step's numbers in bf16, and no host sync inside a step."""
+    d2 = {"head_dim": 16, "kind": "dflash2", "conv_group_size": 8, "selector_rank": 8,
+          "selector_top_k": 4}  # fmt: skip
+    runs = {}
+    for path in ("standard", "fast"):
+        cfg = tiny_config(
+            tmp_path,
+            target={"dtype": "bfloat16"},
+            drafter=d2,
+            training={"device": "cuda", "precision": "bf16", "step_path": path, "compile": True},
+            run={"output_dir": str(tmp_path / f"d2-{path}")},
+        )
+        tr = Trainer(cfg, log_to_console=False)
+        runs[path] = (tr, [tr.train_step() for _ in range(3)])
+    for s, f in zip(runs["standard"][1], runs["fast"][1]):
+        assert math.isclose(s.loss, f.loss, rel_tol=2e-2), (s.loss, f.loss)
+        assert abs(float(s.metrics["selector_tau"]) - float(f.metrics["selector_tau"])) < 0.2
+    fast = runs["fast"][0].fast
+    assert fast is not None
+    tr = runs["fast"][0]
+    hs = fast.host_step(10, tr.position)
+    tout = fast.target_stage(hs)
+    torch.cuda.synchronize()
+    tr.optimizer.zero_grad(set_to_none=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        res = fast.drafter_stage(hs, tout, 1.0)
+        _, finite = fast.optimizer_stage(res.loss.detach())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(finite)

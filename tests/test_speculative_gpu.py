@@ -99,3 +99,33 @@ def test_cuda_eval_picks_graphs_and_stays_lossless():
     )  # fmt: skip
     assert res["decode"] == "graphs"
     assert res["lossless_mismatches"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_graphs_replay_the_dflash2_walk_exactly(temperature):
+    """The selector's walk (greedy, and sampled from uniforms drawn before the replay) inside
+    a CUDA graph drafts what the eager static drafter drafts, step for step."""
+    from test_dflash2_serving import dflash2_from
+
+    from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
+
+    target = cuda_target("llama", torch.float32)
+    model = dflash2_from(random_dflash(target, 5).model.cpu(), seed=1).to("cuda")
+    runs = {}
+    for graphs in (False, True):
+        runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=graphs)
+        drafter = StaticDFlashDrafter(model, target, 128, graphs=graphs, temperature=temperature)
+        runs[graphs] = [
+            generate(
+                target,
+                prompt(s).cuda(),
+                drafter,
+                max_new_tokens=40,
+                temperature=temperature,
+                generator=torch.Generator("cuda").manual_seed(s),
+                runner=runner,
+            )
+            for s in range(3)
+        ]
+    for eager, graphed in zip(runs[False], runs[True]):
+        assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted
