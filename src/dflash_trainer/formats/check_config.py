@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 import torch
 
-from dflash_trainer.formats.speculators import TOP_LEVEL_SLIDING_KEYS
+from dflash_trainer.formats.dflash2_layout import FIELDS as DFLASH2_FIELDS
+from dflash_trainer.formats.dflash2_layout import LOGIT_FIELDS
+from dflash_trainer.formats.speculators import MODEL_TYPES, TOP_LEVEL_SLIDING_KEYS
 from dflash_trainer.formats.zlab import (
-    ARCHITECTURE,
+    KINDS,
     LAYER_TYPES,
     NEUTRAL_DFLASH_KEYS,
 )
@@ -91,14 +93,27 @@ class ConfigView:
     layer_ids: Any
     num_target_layers: Any
     target_hidden_size: Any
+    kind: str = "dflash"
+    """dflash | dflash2, as the architecture (z-lab) or model type (speculators) says."""
+    dflash2: dict[str, Any] = field(default_factory=dict)
+    """The four DFlash2 numbers as written (DFlash2 configs only)."""
+    dflash2_place: str = ""
+    """Where they live: 'dflash_config.' (z-lab) or '' (speculators: the top level)."""
 
 
 # ------------------------------------------------------------------------ config
 
 
 def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        r.error("architectures", f"is {cfg.get('architectures')!r}", f'write ["{ARCHITECTURE}"]')
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
+    kind = KINDS.get(arch) if isinstance(arch, str) else None
+    if kind is None:
+        r.error(
+            "architectures",
+            f"is {archs!r}",
+            " or ".join(f'write ["{a}"]' for a in KINDS) + " (DFlash, DFlash2)",
+        )
     if cfg.get("model_type") != "qwen3":
         r.error("model_type", f"is {cfg.get('model_type')!r}", 'write "qwen3"')
     dflash = cfg.get("dflash_config")
@@ -114,7 +129,16 @@ def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
             r.error(f"dflash_config.{key}", "missing", f"write dflash_config.{key}")
     for key, value in dflash.items():
         neutral = NEUTRAL_DFLASH_KEYS.get(key, value)
-        if key in NEUTRAL_DFLASH_KEYS and value != neutral:
+        if kind == "dflash2" and key in DFLASH2_FIELDS:
+            continue
+        if key in LOGIT_FIELDS and value != neutral:
+            r.error(
+                f"dflash_config.{key}",
+                f"={value!r} scales the target's logits or embeddings; this project's "
+                "drafters are trained and served without it",
+                f"remove it (no transform is {key}={neutral!r})",
+            )
+        elif key in NEUTRAL_DFLASH_KEYS and value != neutral:
             r.error(
                 f"dflash_config.{key}",
                 f"={value!r} changes the model engines run",
@@ -156,6 +180,9 @@ def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
         dflash.get("target_layer_ids"),
         cfg.get("num_target_layers"),
         t_hidden,
+        kind or "dflash",
+        {k: dflash.get(k) for k in DFLASH2_FIELDS} if kind == "dflash2" else {},
+        "dflash_config.",
     )
 
 
@@ -172,6 +199,7 @@ def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
     mask = cfg.get("mask_token_id")
     if mask is None:
         r.error("mask_token_id", "missing", "write the trained mask token id")
+    kind = "dflash2" if cfg.get("speculators_model_type") == "dflash2" else "dflash"
     return ConfigView(
         layer,
         block,
@@ -179,14 +207,22 @@ def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
         ids,
         cfg.get("num_target_layers"),
         cfg.get("target_hidden_size", layer.get("hidden_size")),
+        kind,
+        {k: cfg.get(k) for k in DFLASH2_FIELDS} if kind == "dflash2" else {},
+        "",
     )
 
 
 def _check_speculators_kind(cfg: dict[str, Any], r: CheckReport) -> dict[str, Any]:
     """The model types; returns the decoder config (empty when missing)."""
-    if cfg.get("speculators_model_type") != "dflash":
+    model_type = cfg.get("speculators_model_type")
+    if model_type not in MODEL_TYPES:
+        r.error("speculators_model_type", f"is {model_type!r}", 'write "dflash" or "dflash2"')
+    elif cfg.get("architectures") != [MODEL_TYPES[model_type]]:
         r.error(
-            "speculators_model_type", f"is {cfg.get('speculators_model_type')!r}", 'write "dflash"'
+            "architectures",
+            f"is {cfg.get('architectures')!r} with speculators_model_type {model_type!r}",
+            f'write ["{MODEL_TYPES[model_type]}"]',
         )
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
@@ -211,8 +247,12 @@ def _check_speculators_proposal(cfg: dict[str, Any], block: Any, r: CheckReport)
     methods = sc.get("proposal_methods")
     first = methods[0] if isinstance(methods, list) and methods else {}
     tokens = first.get("speculative_tokens") if isinstance(first, dict) else None
-    if sc.get("algorithm") != "dflash":
-        r.error("speculators_config.algorithm", f"is {sc.get('algorithm')!r}", 'write "dflash"')
+    algorithm = cfg.get("speculators_model_type")
+    algorithm = algorithm if algorithm in MODEL_TYPES else "dflash"
+    if sc.get("algorithm") != algorithm:
+        r.error(
+            "speculators_config.algorithm", f"is {sc.get('algorithm')!r}", f'write "{algorithm}"'
+        )
     if block is None:
         r.error("block_size", "missing: speculators assumes 8", "write the trained block size")
     elif not is_int(block) or tokens != block - 1:
@@ -257,10 +297,12 @@ def _check_speculators_flags(cfg: dict[str, Any], layer: dict[str, Any], r: Chec
             f"{cfg.get('draft_vocab_size')} != vocab_size {layer.get('vocab_size')}",
             "write the full vocab size (no t2d/d2t)",
         )
-    for key, why in (
-        ("sample_from_anchor", "write false: the anchor slot is the bonus token"),
-        ("sliding_window_non_causal", "write false: sliding layers are causal inside the block"),
-    ):
+    flags = [("sample_from_anchor", "write false: the anchor slot is the bonus token")]
+    if cfg.get("speculators_model_type") != "dflash2":  # DFlash2: check_dflash2.py
+        flags.append(
+            ("sliding_window_non_causal", "write false: sliding layers are causal inside the block")
+        )
+    for key, why in flags:
         if cfg.get(key) is not False:
             r.error(key, f"is {cfg.get(key)!r}", why)
     for key in TOP_LEVEL_SLIDING_KEYS:
