@@ -26,11 +26,11 @@ from dflash_trainer.formats.check_config import (
     Problem,
     check_geometry,
     check_numbers,
-    check_speculators_config,
     check_target,
     check_zlab_config,
 )
 from dflash_trainer.formats.check_dflash2 import check_dflash2_config, check_dflash2_numbers
+from dflash_trainer.formats.check_speculators import check_speculators_config
 from dflash_trainer.formats.dflash2_layout import CODEBOOKS, kind_mismatch
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,

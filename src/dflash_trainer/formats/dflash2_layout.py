@@ -98,7 +98,14 @@ def with_fields(spec: DrafterSpec, src: dict[str, Any], where: str, place: str) 
     small = [f"{place}{k}={v}" for k, v in fields.items() if v < 1]
     if small:
         raise DFlashError(f"{where}: {', '.join(small)}: each DFlash2 number must be >= 1")
-    out = dataclasses.replace(spec, kind="dflash2", **fields)
+    out = dataclasses.replace(
+        spec,
+        kind="dflash2",
+        conv_kernel_size=fields["conv_kernel_size"],
+        conv_group_size=fields["conv_group_size"],
+        selector_rank=fields["selector_rank"],
+        selector_top_k=fields["selector_top_k"],
+    )
     problems = dflash2_problems(out)
     if problems:
         raise DFlashError(f"{where}: not a buildable DFlash2 drafter: {problems[0]}")

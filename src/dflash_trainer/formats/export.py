@@ -69,8 +69,8 @@ def detect_format(path: str | Path) -> str:
     cfg = read_config(p)
     if "speculators_model_type" in cfg:
         return "speculators"
-    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
-    if "dflash_config" in cfg or set(archs) & set(KINDS):
+    archs = cfg.get("architectures")
+    if "dflash_config" in cfg or (isinstance(archs, list) and set(map(str, archs)) & set(KINDS)):
         return "zlab"
     raise DFlashError(
         f"{p}/config.json: neither a z-lab DFlash config (dflash_config) nor a speculators "

@@ -264,6 +264,11 @@ def _check_dflash_extras(dflash: dict[str, Any], where: str, kind: str) -> None:
             continue
         if key in LOGIT_FIELDS:
             raise DFlashError(dflash2_layout.logit_field_problem(key, value, where))
+        if key in dflash2_layout.FIELDS:
+            raise DFlashError(
+                f"{where}: dflash_config.{key} is a DFlash2 field but architectures says "
+                f'{ARCHITECTURE}; a DFlash2 drafter says ["{ARCHITECTURE_V2}"]'
+            )
         raise DFlashError(
             f"{where}: dflash_config.{key}={value!r} describes a DFlash variant this "
             "project does not implement (plain DFlash: context K/V in every layer, "
