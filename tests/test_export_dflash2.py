@@ -296,6 +296,7 @@ def test_scaled_published_checkpoint_imports_checks_and_drafts_alike(tmp_path, c
     d = fixture_dir(tmp_path)
     assert main(["export", "--check", str(d)]) == 0, capsys.readouterr().out
     assert main(["import", str(d), "--out", str(tmp_path / "ours")]) == 0
+    assert "zlab layout, DFlash2 drafter, 2 layers" in capsys.readouterr().out
     spec, state, meta = load_drafter(tmp_path / "ours")
     assert (spec.kind, spec.block_size, spec.conv_kernel_size, spec.conv_group_size) == (
         "dflash2",
@@ -450,6 +451,7 @@ ZLAB_BREAKS = [
     (lambda c: c["dflash_config"].update(selector_top_k=0), "dflash_config.selector_top_k"),
     (lambda c: c["dflash_config"].update(selector_rank="8"), "dflash_config.selector_rank"),
     (lambda c: c["dflash_config"].update(output_multiplier=2.0), "dflash_config.output_multiplier"),
+    (lambda c: c.update(input_embedding_scale=2.0), "input_embedding_scale"),
     (lambda c: c.update(architectures=["DFlashDraftModel"]), "architectures"),
     (lambda c: c.update(architectures=["DFlash3DraftModel"]), "architectures"),
     (

@@ -70,15 +70,14 @@ def check_dflash2_config(cfg: dict[str, Any], fmt: str, v: ConfigView, r: CheckR
     the same configs with one error)."""
     if fmt == "zlab":
         _check_is_causal(cfg.get("is_causal", "absent"), v, r)
-    else:
-        for key, neutral in LOGIT_FIELDS.items():  # speculators: top-level fields
-            if key in cfg and cfg[key] != neutral:
-                r.error(
-                    key,
-                    f"={cfg[key]!r} scales the target's logits or embeddings; this project's "
-                    "drafters are trained and served without it",
-                    f"remove it (no transform is {key}={neutral!r})",
-                )
+    for key, neutral in LOGIT_FIELDS.items():  # top level (z-lab: also in dflash_config)
+        if key in cfg and cfg[key] != neutral:
+            r.error(
+                key,
+                f"={cfg[key]!r} scales the target's logits or embeddings; this project's "
+                "drafters are trained and served without it",
+                f"remove it (no transform is {key}={neutral!r})",
+            )
     if v.kind != "dflash2":
         return
     types = v.geometry.get("layer_types")

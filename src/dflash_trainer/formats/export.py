@@ -402,8 +402,9 @@ def run_import(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     n_params = sum(t.numel() for t in state.values())
+    kind = "DFlash2" if spec.is_dflash2 else "DFlash"
     print(
-        f"{args.path}: {meta.get('source', {}).get('format', 'dflash')} drafter, "
+        f"{args.path}: {meta.get('source', {}).get('format', 'dflash')} layout, {kind} drafter, "
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, block {spec.block_size}, "
         f"{n_params / 1e6:.1f}M params, target_layer_ids {list(spec.target_layer_ids)}"
     )
