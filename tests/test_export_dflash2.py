@@ -395,6 +395,28 @@ def test_a_dflash2_config_over_dflash_weights_is_refused(tmp_path):
     assert not any("missing" in p.message for p in report.problems)  # one error, not 14
 
 
+def test_speculators_dflash2_sliding_layers_import_only_when_trained_causal(tmp_path):
+    spec = dflash2_spec()
+    run = write_run(tmp_path, spec, random_dflash2(spec, 0))
+    out = export_drafter(run, tmp_path / "s", "speculators").path
+
+    def slide(cfg: dict) -> None:
+        for where in (cfg, cfg["transformer_layer_config"]):
+            where.update(layer_types=["sliding_attention", "full_attention"])
+            where.update(sliding_window=4, use_sliding_window=True, max_window_layers=0)
+        del cfg["sliding_window_non_causal"]  # speculators' DFlash2 default: true
+
+    edit_config(out, slide)
+    with pytest.raises(DFlashError, match="speculators' DFlash2 default"):
+        import_drafter(out)
+    edit_config(out, lambda c: c.update(sliding_window_non_causal=False))
+    spec2, _, _ = import_drafter(out)  # trained causal by speculators, as ours
+    assert spec2.layer_types == ("sliding_attention", "full_attention") and spec2.is_dflash2
+    assert "layer_types" in failed(out)  # no DFlash2 engine layout can say so
+    with pytest.raises(DFlashError, match="sliding_attention"):
+        export_drafter(out, tmp_path / "z", "zlab")
+
+
 def test_a_dflash_config_with_is_causal_and_sliding_layers_is_refused(tmp_path):
     spec = make_spec(layers=2, layer_types=("sliding_attention", "full_attention"), window=3)
     out = export_drafter(write_run(tmp_path, spec, DFlashDrafter(spec)), tmp_path / "o", "zlab")

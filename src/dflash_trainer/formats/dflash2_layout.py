@@ -69,9 +69,9 @@ def sliding_layers_problem(spec: DrafterSpec) -> str | None:
 
 def export_fields(spec: DrafterSpec) -> dict[str, int]:
     """The four numbers, after refusing a drafter the layout cannot describe."""
-    problem = sliding_layers_problem(spec)
-    if problem:
-        raise DFlashError(f"cannot export this DFlash2 drafter: {problem}")
+    problems = [p for p in [sliding_layers_problem(spec)] if p] + dflash2_problems(spec)
+    if problems:
+        raise DFlashError(f"cannot export this DFlash2 drafter: {problems[0]}")
     return {name: int(getattr(spec, name)) for name in FIELDS}
 
 
