@@ -4,7 +4,10 @@
 docs/algorithm.md sections 1-2): plain torch ops over the tensors in model.safetensors
 and the numbers in config.json. It shares no code with the project's model class, so
 an export that differs from what `DFlashDrafter.step` computes (a swapped tensor, a
-wrong rope_theta, a window applied differently) makes these tests fail.
+wrong rope_theta, a window applied differently) makes these tests fail. For a DFlash2
+export it also runs the two-sided grouped convolutions (`reference_conv`) and walks the
+candidate selector slot by slot (`reference_walk`), from the DFlash2 section of
+docs/formats.md; tests/test_export_dflash2.py holds those comparisons.
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ TOL = 2e-6
 # ------------------------------------------------------------ the independent reader
 
 
+DFLASH2_NUMBERS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def read_export(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    cfg = json.loads((d / "config.json").read_text())
-    if "transformer_layer_config" in cfg:  # speculators: the decoder is nested
-        cfg = cfg["transformer_layer_config"]
+    """(decoder config, float64 weights); a DFlash2 export's numbers under cfg["dflash2"]."""
+    raw = json.loads((d / "config.json").read_text())
+    cfg = dict(raw.get("transformer_layer_config", raw))  # speculators: the decoder is nested
+    if raw.get("architectures") == ["DFlash2DraftModel"]:
+        # z-lab: inside dflash_config; speculators: at the top level.
+        src = raw if "speculators_model_type" in raw else raw["dflash_config"]
+        cfg["dflash2"] = {k: src[k] for k in DFLASH2_NUMBERS}
     weights = {k: v.to(torch.float64) for k, v in load_file(str(d / "model.safetensors")).items()}
     return cfg, weights
 
@@ -60,41 +70,106 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     return y + w[name + ".bias"] if name + ".bias" in w else y
 
 
+def reference_conv(
+    x: torch.Tensor, w: dict, name: str, source: torch.Tensor, side: int, group: int
+) -> torch.Tensor:
+    """One side of the convolution `name` over the block's slots x [B, H]: slot t gets
+    sum_j (base_kernel[side, j] + D[t, side, j, group of the channel]) * x[t - j], where
+    D = kernel_projection(source) is read as [B, 2 sides, k taps, H / group] and a tap
+    before the block's first slot reads zero."""
+    base = w[name + ".base_kernel"]  # [2, k, H]
+    taps = base.shape[1]
+    dyn = (source @ w[name + ".kernel_projection.weight"].T).view(x.shape[0], 2, taps, -1)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(min(taps, t + 1)):
+            coef = base[side, j] + dyn[t, side, j].repeat_interleave(group)
+            out[t] = out[t] + coef * x[t - j]
+    return out
+
+
 def reference_draft(
     cfg: dict, w: dict, feats: torch.Tensor, block: torch.Tensor, anchor: int
 ) -> torch.Tensor:
     """Normed hidden states of one block [anchor, MASK...] after `anchor` context tokens."""
-    eps, d = cfg["rms_norm_eps"], cfg["head_dim"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    eps = cfg["rms_norm_eps"]
     theta = cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta"))
     n_blk = block.shape[0]
     ctx = rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
     q_pos = anchor + torch.arange(n_blk)
     k_pos = torch.cat([torch.arange(anchor), q_pos])
+    group = cfg["dflash2"]["conv_group_size"] if "dflash2" in cfg else 0
+
+    def around(name: str, sublayer, x: torch.Tensor) -> torch.Tensor:
+        """DFlash2: both sides of the convolution, coefficients from the sublayer's input."""
+        if not group:
+            return sublayer(x)
+        y = sublayer(reference_conv(x, w, name, x, 0, group))
+        return reference_conv(y, w, name, x, 1, group)
+
     h = block
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"layers.{i}."
-        x = rms(h, w[p + "input_layernorm.weight"], eps)
-        q = linear(x, w, p + "self_attn.q_proj").view(n_blk, nh, d)
-        q = rotate(rms(q, w[p + "self_attn.q_norm.weight"], eps), q_pos, theta)
-        kv_in = torch.cat([ctx, x])  # the context is injected as keys/values in every layer
-        k = linear(kv_in, w, p + "self_attn.k_proj").view(-1, nkv, d)
-        k = rotate(rms(k, w[p + "self_attn.k_norm.weight"], eps), k_pos, theta)
-        v = linear(kv_in, w, p + "self_attn.v_proj").view(-1, nkv, d)
-        k = k.repeat_interleave(nh // nkv, dim=1)  # query head j reads KV head j // group
-        v = v.repeat_interleave(nh // nkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
-        if kind == "sliding_attention":
-            # HF convention: a window of W positions including the query's own; causal.
-            diff = q_pos[:, None] - k_pos[None, :]
-            allowed = (diff >= 0) & (diff < cfg["sliding_window"])
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, nh * d)
-        h = h + linear(attn, w, p + "self_attn.o_proj")
+        attn_out = around(
+            p + "attention_conv",
+            lambda x, i=i, kind=kind: attention(cfg, w, i, kind, x, ctx, q_pos, k_pos, theta),
+            rms(h, w[p + "input_layernorm.weight"], eps),
+        )
+        h = h + attn_out
         y = rms(h, w[p + "post_attention_layernorm.weight"], eps)
-        gate, up = linear(y, w, p + "mlp.gate_proj"), linear(y, w, p + "mlp.up_proj")
-        h = h + linear(torch.nn.functional.silu(gate) * up, w, p + "mlp.down_proj")
+        h = h + around(p + "mlp_conv", lambda y, p=p: mlp(w, p, y), y)
     return rms(h, w["norm.weight"], eps)
+
+
+def mlp(w: dict, p: str, y: torch.Tensor) -> torch.Tensor:
+    gate, up = linear(y, w, p + "mlp.gate_proj"), linear(y, w, p + "mlp.up_proj")
+    return linear(torch.nn.functional.silu(gate) * up, w, p + "mlp.down_proj")
+
+
+def attention(cfg: dict, w: dict, i: int, kind: str, x, ctx, q_pos, k_pos, theta):
+    """Layer i's attention (o_proj included) of the block rows x over [context | block]."""
+    eps, d = cfg["rms_norm_eps"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    n_blk, p = x.shape[0], f"layers.{i}."
+    q = linear(x, w, p + "self_attn.q_proj").view(n_blk, nh, d)
+    q = rotate(rms(q, w[p + "self_attn.q_norm.weight"], eps), q_pos, theta)
+    kv_in = torch.cat([ctx, x])  # the context is injected as keys/values in every layer
+    k = linear(kv_in, w, p + "self_attn.k_proj").view(-1, nkv, d)
+    k = rotate(rms(k, w[p + "self_attn.k_norm.weight"], eps), k_pos, theta)
+    v = linear(kv_in, w, p + "self_attn.v_proj").view(-1, nkv, d)
+    k = k.repeat_interleave(nh // nkv, dim=1)  # query head j reads KV head j // group
+    v = v.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    if kind == "sliding_attention":
+        # HF convention: a window of W positions including the query's own; causal.
+        diff = q_pos[:, None] - k_pos[None, :]
+        allowed = (diff >= 0) & (diff < cfg["sliding_window"])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_blk, nh * d)
+    return linear(attn, w, p + "self_attn.o_proj")
+
+
+def reference_walk(
+    cfg: dict, w: dict, hidden: torch.Tensor, anchor_token: int, lm_head: torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """The DFlash2 selector's greedy path over one block's normed hidden states [B, H]:
+    (drafted tokens, the score rows it chose from [B-1, K]). Slot s >= 1 keeps the top-K
+    tokens of lm_head(hidden[s]) with those logits as unary scores; a candidate c after
+    the token p chosen before (the anchor for slot 1) scores
+    unary(c) + sum_r predecessor_codebook[p, r] * (hidden_projection hidden[s])[r] *
+    successor_codebook[c, r], and the walk takes the best of each row in turn."""
+    top_k = cfg["dflash2"]["selector_top_k"]
+    unary, cand = (hidden[1:] @ lm_head.T).topk(top_k, dim=-1)
+    gate = hidden[1:] @ w["candidate_selector.hidden_projection.weight"].T
+    pred = w["candidate_selector.predecessor_codebook"]
+    succ = w["candidate_selector.successor_codebook"]
+    prev, tokens, rows = anchor_token, [], []
+    for s in range(cand.shape[0]):
+        row = unary[s] + (pred[prev] * gate[s] * succ[cand[s]]).sum(-1)
+        prev = int(cand[s, int(row.argmax())])
+        tokens.append(prev)
+        rows.append(row)
+    return tokens, torch.stack(rows)
 
 
 # ------------------------------------------------------------ the comparisons

@@ -17,6 +17,7 @@ from typing import Any
 from dflash_trainer import __version__
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.dflash2_layout import ARCHITECTURE_V2
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -35,8 +36,9 @@ def serve_commands(fmt: str, out: str, target: str | None, spec: DrafterSpec) ->
         {"method": "dflash", "model": out, "num_speculative_tokens": spec.block_size - 1}
     )
     mixed = len(set(spec.layer_types)) > 1
-    # vLLM runs a drafter with both sliding and full layers only on its V2 runner.
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed else ""
+    # vLLM runs a drafter with both sliding and full layers only on its V2 runner; its
+    # DFlash2 selector too (the V1 runner drafts with the backbone's argmax instead).
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed or spec.is_dflash2 else ""
     vllm = f"{env}vllm serve {tgt} \\\n  --speculative-config '{spec_cfg}'"
     cmds: dict[str, str] = {}
     if fmt == "speculators":
@@ -51,11 +53,28 @@ def serve_commands(fmt: str, out: str, target: str | None, spec: DrafterSpec) ->
         # SGLang counts the anchor: its draft-token count is the block size.
         f"  --speculative-num-draft-tokens {spec.block_size}"
     )
+    cls = "DFlash2DraftModel" if spec.is_dflash2 else "DFlashDraftModel"
     cmds["z-lab transformers"] = (
-        "from dflash.model import DFlashDraftModel  # z-lab/dflash, no remote code\n"
-        f'draft = DFlashDraftModel.from_pretrained("{out}", dtype="auto").eval()'
+        f"from dflash.model import {cls}  # z-lab/dflash, no remote code\n"
+        f'draft = {cls}.from_pretrained("{out}", dtype="auto").eval()'
     )
     return cmds
+
+
+def dflash2_lines(spec: DrafterSpec) -> list[str]:
+    """What the card says about the two modules DFlash2 adds."""
+    groups = spec.hidden_size // spec.conv_group_size
+    return [
+        "A DFlash2 drafter: the DFlash backbone with a grouped dynamic convolution around "
+        "each attention and MLP sublayer (taps never leave the draft block), and a candidate "
+        "selector that walks one path through each slot's top-K candidates, re-ranked by a "
+        "low-rank score of the token chosen before.",
+        "",
+        f"- conv_kernel_size {spec.conv_kernel_size}, conv_group_size {spec.conv_group_size} "
+        f"({groups} groups of channels)",
+        f"- selector_rank {spec.selector_rank}, selector_top_k {spec.selector_top_k}",
+        "",
+    ]
 
 
 def _value(d: dict[str, Any], *keys: str) -> Any:
@@ -147,10 +166,14 @@ def model_card(
     lines = ["---"]
     if base:
         lines.append(f"base_model: {base}")
-    lines += ["tags:", "- dflash", "- speculative-decoding", "- draft-model", "---", ""]
-    lines += [f"# DFlash drafter for {target or 'an unrecorded target'}", ""]
+    name = "DFlash2" if spec.is_dflash2 else "DFlash"
+    tags = ["dflash", "dflash2"] if spec.is_dflash2 else ["dflash"]
+    lines += ["tags:", *(f"- {t}" for t in tags), "- speculative-decoding", "- draft-model"]
+    lines += ["---", "", f"# {name} drafter for {target or 'an unrecorded target'}", ""]
     layout = "z-lab / vLLM / SGLang" if fmt == "zlab" else "speculators (vLLM)"
     lines += [f"Exported by dflash-trainer {__version__} in the {layout} layout.", ""]
+    if spec.is_dflash2:
+        lines += dflash2_lines(spec)
     gguf = _value(meta, "target", "gguf_file")
     lines += ["## Target", "", f"- name_or_path: `{target}`"]
     if gguf:
@@ -189,6 +212,14 @@ def model_card(
             "",
         ]
     lines += ["## Serve", ""]
+    if spec.is_dflash2:
+        lines += [
+            f"The architecture `{ARCHITECTURE_V2}` in config.json selects DFlash2: vLLM >= 0.28 "
+            "(its V2 model runner; vLLM also needs the target's lm_head unquantized for the "
+            "candidates) and SGLang's DFLASH algorithm run the convolutions and the "
+            "selector; an engine without DFlash2 support fails to load it or ignores them.",
+            "",
+        ]
     for engine, cmd in serve_commands(fmt, out, target, spec).items():
         lang = "python" if "transformers" in engine else "bash"
         lines += [f"{engine}:", "", f"```{lang}", cmd, "```", ""]

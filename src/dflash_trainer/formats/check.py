@@ -8,6 +8,7 @@ warning); this is strict, because an engine fills the same defaults silently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.check_config import (
@@ -24,10 +26,12 @@ from dflash_trainer.formats.check_config import (
     Problem,
     check_geometry,
     check_numbers,
-    check_speculators_config,
     check_target,
     check_zlab_config,
 )
+from dflash_trainer.formats.check_dflash2 import check_dflash2_config, check_dflash2_numbers
+from dflash_trainer.formats.check_speculators import check_speculators_config
+from dflash_trainer.formats.dflash2_layout import CODEBOOKS, kind_mismatch
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     VOCAB_MAP_TENSORS,
@@ -49,15 +53,36 @@ __all__ = [
 # ------------------------------------------------------------------------ tensors
 
 
+def _expected(
+    files: list[Path], spec: DrafterSpec | None, kind: str, r: CheckReport
+) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(expected shapes, names not to report one by one). Tensors of the other drafter
+    kind than the config's are one error, and the rest is checked as the kind they are."""
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names |= set(sf.keys())
+    mismatch = kind_mismatch(kind, names)
+    if mismatch:
+        r.error("architectures", *mismatch)
+    if spec is None:
+        return {}, set()
+    if mismatch and spec.is_dflash2:  # the backbone of a DFlash drafter
+        return expected_tensor_shapes(dataclasses.replace(spec, kind="dflash")), set()
+    if mismatch:
+        return expected_tensor_shapes(spec), {n for n in names if is_dflash2_tensor(n)}
+    return expected_tensor_shapes(spec), set()
+
+
 def _check_tensors(
-    d: Path, spec: DrafterSpec | None, fmt: str, cfg_dtype: Any, r: CheckReport
+    d: Path, spec: DrafterSpec | None, fmt: str, kind: str, cfg_dtype: Any, r: CheckReport
 ) -> None:
     try:
         files = weight_files(d)
     except DFlashError as e:
         r.error("model.safetensors", str(e), "export again with `dflash export`")
         return
-    expected = expected_tensor_shapes(spec) if spec is not None else {}
+    expected, skip = _expected(files, spec, kind, r)
     seen: set[str] = set()
     dtypes: set[torch.dtype] = set()
     for f in files:
@@ -65,7 +90,8 @@ def _check_tensors(
             for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 seen.add(name)
                 tensor = sf.get_tensor(name)
-                _check_one(name, tensor, expected, fmt, r)
+                if name not in skip:
+                    _check_one(name, tensor, expected, fmt, r)
                 if name not in VERIFIER_TENSORS | VOCAB_MAP_TENSORS:
                     dtypes.add(tensor.dtype)
     for name in sorted(set(expected) - seen):
@@ -97,7 +123,13 @@ def _check_one(
     if name in VOCAB_MAP_TENSORS:
         r.error(name, "reduced draft vocabulary mapping", "export the full vocabulary")
         return
-    if expected and name not in expected:
+    if expected and name not in expected and name.removesuffix(".weight") in CODEBOOKS:
+        r.error(
+            name,
+            "a selector codebook with a .weight suffix (an nn.Embedding's state-dict name)",
+            f"store it as {name.removesuffix('.weight')}: the published name has no suffix",
+        )
+    elif expected and name not in expected:
         r.error(
             name,
             "not part of the layout the config implies",
@@ -145,14 +177,16 @@ def check_export(
     view = check_speculators_config(cfg, r) if r.fmt == "speculators" else check_zlab_config(cfg, r)
     cfg_dtype = cfg.get("dtype", cfg.get("torch_dtype"))
     check_geometry(view, cfg_dtype, r)
+    check_dflash2_numbers(view, r)
     if target_config is not None:
         check_target(view, target_config, special_ids or set(), r)
     else:
         r.notes.append("target checks skipped (pass --target NAME_OR_PATH to run them)")
+    check_dflash2_config(cfg, r.fmt, view, r)
     spec = _spec_for_shapes(cfg, r.fmt, view)
     if spec is None:
         r.notes.append("tensor names and shapes not checked: fix the config errors above first")
-    _check_tensors(d, spec, r.fmt, cfg_dtype, r)
+    _check_tensors(d, spec, r.fmt, view.kind, cfg_dtype, r)
     return r
 
 
@@ -182,6 +216,7 @@ def check_import_numbers(
         else check_zlab_config(cfg, layout)
     )
     check_numbers(view, r)
+    check_dflash2_numbers(view, r)
     if target_config is not None and r.ok:
         check_target(view, target_config, set(), r)
     return r

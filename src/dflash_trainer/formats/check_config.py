@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 import torch
 
-from dflash_trainer.formats.speculators import TOP_LEVEL_SLIDING_KEYS
+from dflash_trainer.formats.dflash2_layout import FIELDS as DFLASH2_FIELDS
+from dflash_trainer.formats.dflash2_layout import LOGIT_FIELDS
 from dflash_trainer.formats.zlab import (
-    ARCHITECTURE,
+    KINDS,
     LAYER_TYPES,
     NEUTRAL_DFLASH_KEYS,
 )
@@ -91,14 +92,55 @@ class ConfigView:
     layer_ids: Any
     num_target_layers: Any
     target_hidden_size: Any
+    kind: str = "dflash"
+    """dflash | dflash2, as the architecture (z-lab) or model type (speculators) says."""
+    dflash2: dict[str, Any] = field(default_factory=dict)
+    """The four DFlash2 numbers as written (DFlash2 configs only)."""
+    dflash2_place: str = ""
+    """Where they live: 'dflash_config.' (z-lab) or '' (speculators: the top level)."""
 
 
 # ------------------------------------------------------------------------ config
 
 
+def _check_dflash_keys(dflash: dict[str, Any], kind: str | None, r: CheckReport) -> None:
+    """dflash_config keys that describe another model than the architecture says."""
+    for key, value in dflash.items():
+        neutral = NEUTRAL_DFLASH_KEYS.get(key, value)
+        if key in DFLASH2_FIELDS and kind == "dflash2":
+            continue
+        if key in DFLASH2_FIELDS and kind == "dflash":
+            r.error(
+                f"dflash_config.{key}",
+                "a DFlash2 field in a DFlashDraftModel config",
+                'write architectures ["DFlash2DraftModel"] (a DFlash2 drafter) or remove it',
+            )
+            continue
+        if key in LOGIT_FIELDS and value != neutral:
+            r.error(
+                f"dflash_config.{key}",
+                f"={value!r} scales the target's logits or embeddings; this project's "
+                "drafters are trained and served without it",
+                f"remove it (no transform is {key}={neutral!r})",
+            )
+        elif key in NEUTRAL_DFLASH_KEYS and value != neutral:
+            r.error(
+                f"dflash_config.{key}",
+                f"={value!r} changes the model engines run",
+                f"remove it (plain DFlash is {key}={neutral!r})",
+            )
+
+
 def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
-    if cfg.get("architectures") != [ARCHITECTURE]:
-        r.error("architectures", f"is {cfg.get('architectures')!r}", f'write ["{ARCHITECTURE}"]')
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
+    kind = KINDS.get(arch) if isinstance(arch, str) else None
+    if kind is None:
+        r.error(
+            "architectures",
+            f"is {archs!r}",
+            " or ".join(f'write ["{a}"]' for a in KINDS) + " (DFlash, DFlash2)",
+        )
     if cfg.get("model_type") != "qwen3":
         r.error("model_type", f"is {cfg.get('model_type')!r}", 'write "qwen3"')
     dflash = cfg.get("dflash_config")
@@ -112,25 +154,19 @@ def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
     for key in ("mask_token_id", "target_layer_ids"):
         if dflash.get(key) is None:
             r.error(f"dflash_config.{key}", "missing", f"write dflash_config.{key}")
-    for key, value in dflash.items():
-        neutral = NEUTRAL_DFLASH_KEYS.get(key, value)
-        if key in NEUTRAL_DFLASH_KEYS and value != neutral:
-            r.error(
-                f"dflash_config.{key}",
-                f"={value!r} changes the model engines run",
-                f"remove it (plain DFlash is {key}={neutral!r})",
-            )
-    if cfg.get("block_size") is None:
+    _check_dflash_keys(dflash, kind, r)
+    top, nested = cfg.get("block_size"), dflash.get("block_size")
+    if top is None and not (kind == "dflash2" and nested is not None):
+        # (DFlash2 loaders read the nested one: the published configs have only that.)
         r.error(
             "block_size",
             "missing at the top level: the z-lab loader reads config.block_size",
             "write block_size at the top level (and in dflash_config)",
         )
-    elif dflash.get("block_size", cfg["block_size"]) != cfg["block_size"]:
+    elif top is not None and nested is not None and top != nested:
         r.error(
             "block_size",
-            f"top level {cfg['block_size']} != dflash_config "
-            f"{dflash['block_size']}: SGLang reads the nested one",
+            f"top level {top} != dflash_config {nested}: SGLang reads the nested one",
             "make them equal",
         )
     if cfg.get("num_target_layers") is None:
@@ -156,120 +192,10 @@ def check_zlab_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
         dflash.get("target_layer_ids"),
         cfg.get("num_target_layers"),
         t_hidden,
+        kind or "dflash",
+        {k: dflash.get(k) for k in DFLASH2_FIELDS} if kind == "dflash2" else {},
+        "dflash_config.",
     )
-
-
-def _obj(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def check_speculators_config(cfg: dict[str, Any], r: CheckReport) -> ConfigView:
-    layer = _check_speculators_kind(cfg, r)
-    block = cfg.get("block_size")
-    _check_speculators_proposal(cfg, block, r)
-    ids = _aux_layer_ids(cfg.get("aux_hidden_state_layer_ids"), r)
-    _check_speculators_flags(cfg, layer, r)
-    mask = cfg.get("mask_token_id")
-    if mask is None:
-        r.error("mask_token_id", "missing", "write the trained mask token id")
-    return ConfigView(
-        layer,
-        block,
-        mask,
-        ids,
-        cfg.get("num_target_layers"),
-        cfg.get("target_hidden_size", layer.get("hidden_size")),
-    )
-
-
-def _check_speculators_kind(cfg: dict[str, Any], r: CheckReport) -> dict[str, Any]:
-    """The model types; returns the decoder config (empty when missing)."""
-    if cfg.get("speculators_model_type") != "dflash":
-        r.error(
-            "speculators_model_type", f"is {cfg.get('speculators_model_type')!r}", 'write "dflash"'
-        )
-    layer = cfg.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        r.error(
-            "transformer_layer_config",
-            "missing or not an object",
-            "write the Qwen3 decoder config there",
-        )
-        layer = {}
-    if layer.get("model_type") != "qwen3":
-        r.error(
-            "transformer_layer_config.model_type",
-            f"is {layer.get('model_type')!r}",
-            'write "qwen3"',
-        )
-    return layer
-
-
-def _check_speculators_proposal(cfg: dict[str, Any], block: Any, r: CheckReport) -> None:
-    """Algorithm, drafted tokens per step (= block_size - 1) and the verifier."""
-    sc = _obj(cfg.get("speculators_config"))
-    methods = sc.get("proposal_methods")
-    first = methods[0] if isinstance(methods, list) and methods else {}
-    tokens = first.get("speculative_tokens") if isinstance(first, dict) else None
-    if sc.get("algorithm") != "dflash":
-        r.error("speculators_config.algorithm", f"is {sc.get('algorithm')!r}", 'write "dflash"')
-    if block is None:
-        r.error("block_size", "missing: speculators assumes 8", "write the trained block size")
-    elif not is_int(block) or tokens != block - 1:
-        fix = f"write block_size - 1 = {block - 1}" if is_int(block) else "write block_size - 1"
-        r.error(
-            "speculators_config.proposal_methods[0].speculative_tokens",
-            f"is {tokens!r}; vLLM drafts this many tokens per step",
-            fix,
-        )
-    verifier = _obj(sc.get("verifier"))
-    if not verifier.get("name_or_path"):
-        r.warn(
-            "speculators_config.verifier.name_or_path",
-            "empty: `vllm serve DIR` cannot find the target",
-            "re-export with --target, or serve with the long form",
-        )
-
-
-def _aux_layer_ids(aux: Any, r: CheckReport) -> list[int] | None:
-    """hidden_states indices (layer id + 1) -> 0-based layer ids, or None when unusable."""
-    if not aux:
-        r.error("aux_hidden_state_layer_ids", "missing", "write the tapped layer ids + 1")
-        return None
-    if not isinstance(aux, list) or not all(is_int(i) for i in aux):
-        r.error("aux_hidden_state_layer_ids", f"is {aux!r}", "write a list of integers")
-        return None
-    if min(aux) < 1:
-        r.error(
-            "aux_hidden_state_layer_ids",
-            f"{aux} has 0 (embedding output)",
-            "ids are hidden_states indices: 0-based layer id + 1",
-        )
-        return None
-    return [int(i) - 1 for i in aux]
-
-
-def _check_speculators_flags(cfg: dict[str, Any], layer: dict[str, Any], r: CheckReport) -> None:
-    """Full vocabulary, the anchor as bonus token, causal sliding layers, one window."""
-    if cfg.get("draft_vocab_size") != layer.get("vocab_size"):
-        r.error(
-            "draft_vocab_size",
-            f"{cfg.get('draft_vocab_size')} != vocab_size {layer.get('vocab_size')}",
-            "write the full vocab size (no t2d/d2t)",
-        )
-    for key, why in (
-        ("sample_from_anchor", "write false: the anchor slot is the bonus token"),
-        ("sliding_window_non_causal", "write false: sliding layers are causal inside the block"),
-    ):
-        if cfg.get(key) is not False:
-            r.error(key, f"is {cfg.get(key)!r}", why)
-    for key in TOP_LEVEL_SLIDING_KEYS:
-        if key in cfg and cfg[key] != layer.get(key):
-            r.error(
-                key,
-                f"top level {cfg[key]!r} != transformer_layer_config {layer.get(key)!r}",
-                "make them equal (vLLM versions read different ones)",
-            )
 
 
 # ------------------------------------------------------------------------ numbers
@@ -351,7 +277,11 @@ def _rope_theta_value(g: dict[str, Any]) -> tuple[Any, Any]:
 def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
     g = v.geometry
     check_numbers(v, r)
+    flat, nested = _rope_theta_value(g)
     for key, breaks in REQUIRED_GEOMETRY.items():
+        # DFlash2 loaders (transformers 5, vLLM, SGLang) read the nested rope_theta.
+        if key == "rope_theta" and v.kind == "dflash2" and nested is not None:
+            continue
         if g.get(key) is None:
             r.error(key, f"missing: {breaks}", f"write {key} explicitly")
     if g.get("hidden_act", "silu") != "silu":
@@ -362,7 +292,6 @@ def check_geometry(v: ConfigView, cfg_dtype: Any, r: CheckReport) -> None:
             f"is {g.get('tie_word_embeddings')!r}",
             "write false: the drafter has no lm_head of its own",
         )
-    flat, nested = _rope_theta_value(g)
     numbers = all(isinstance(x, int | float) for x in (flat, nested))
     if flat is not None and nested is not None and numbers and float(flat) != float(nested):
         r.error(

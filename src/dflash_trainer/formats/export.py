@@ -37,6 +37,7 @@ from dflash_trainer.formats.check import (
     check_import_numbers,
     read_config,
 )
+from dflash_trainer.formats.dflash2_layout import bare_codebooks, kind_mismatch
 from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, write_drafter_dir
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
@@ -45,7 +46,12 @@ from dflash_trainer.formats.speculators import (
     verifier_name,
 )
 from dflash_trainer.formats.weights import WEIGHTS_NAME, read_weights, write_weights
-from dflash_trainer.formats.zlab import expected_tensor_shapes, spec_from_zlab_config, zlab_config
+from dflash_trainer.formats.zlab import (
+    KINDS,
+    expected_tensor_shapes,
+    spec_from_zlab_config,
+    zlab_config,
+)
 
 FORMATS = ("zlab", "speculators")
 Imported = tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]
@@ -63,7 +69,8 @@ def detect_format(path: str | Path) -> str:
     cfg = read_config(p)
     if "speculators_model_type" in cfg:
         return "speculators"
-    if "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or []):
+    archs = cfg.get("architectures")
+    if "dflash_config" in cfg or (isinstance(archs, list) and set(map(str, archs)) & set(KINDS)):
         return "zlab"
     raise DFlashError(
         f"{p}/config.json: neither a z-lab DFlash config (dflash_config) nor a speculators "
@@ -138,6 +145,9 @@ def _check_state(spec: DrafterSpec, state: dict[str, torch.Tensor], where: str) 
         for k, s in expected.items()
         if k in state and tuple(state[k].shape) != s
     ]
+    mismatch = kind_mismatch(spec.kind, set(state))
+    if mismatch:
+        raise DFlashError(f"{where}: {mismatch[0]}; {mismatch[1]}")
     if missing or unexpected or wrong:
         raise DFlashError(
             f"{where}: weights do not match the config: missing {missing[:4]}, unexpected "
@@ -186,6 +196,8 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
     state = {k: v for k, v in state.items() if k not in VERIFIER_TENSORS}
     if dropped:  # the target's own tensors: this project uses the live target's copies
         notes.append(f"{p}: ignored the target's tensors stored with the drafter: {dropped}")
+    state, renamed = bare_codebooks(state, str(p))
+    notes += renamed
     # Before the shape check: a filled-in default (head_dim 128) explains a mismatch.
     for note in notes:
         warnings.warn(note, UserWarning, stacklevel=2)
@@ -390,8 +402,9 @@ def run_import(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     n_params = sum(t.numel() for t in state.values())
+    kind = "DFlash2" if spec.is_dflash2 else "DFlash"
     print(
-        f"{args.path}: {meta.get('source', {}).get('format', 'dflash')} drafter, "
+        f"{args.path}: {meta.get('source', {}).get('format', 'dflash')} layout, {kind} drafter, "
         f"{spec.num_layers} layers, hidden {spec.hidden_size}, block {spec.block_size}, "
         f"{n_params / 1e6:.1f}M params, target_layer_ids {list(spec.target_layer_ids)}"
     )

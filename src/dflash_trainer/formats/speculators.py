@@ -15,6 +15,10 @@ vLLM's speculators adapter (`update_dflash`):
 
 embed_tokens / lm_head are not written: vLLM then shares the target's, and
 speculators' own loader fills them from the verifier.
+
+A DFlash2 drafter is `speculators_model_type: "dflash2"` (speculators'
+`DFlash2SpeculatorConfig`, a DFlash config plus the four DFlash2 numbers at the top
+level); its weights carry the z-lab DFlash2 tensor names.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats import dflash2_layout
+from dflash_trainer.formats.dflash2_layout import ARCHITECTURE_V2, LOGIT_FIELDS
 from dflash_trainer.formats.zlab import geometry_fields, spec_from_geometry
 
 SPECULATORS_VERSION = "0.7.0"
@@ -40,6 +46,7 @@ VERIFIER_TENSORS = frozenset(
     {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 )
 VOCAB_MAP_TENSORS = frozenset({"t2d", "d2t"})
+MODEL_TYPES = {"dflash": "DFlashDraftModel", "dflash2": ARCHITECTURE_V2}
 
 
 def speculators_config(
@@ -88,6 +95,13 @@ def speculators_config(
     }
     for key in TOP_LEVEL_SLIDING_KEYS:
         cfg[key] = layer[key]
+    if spec.is_dflash2:
+        cfg["architectures"] = [ARCHITECTURE_V2]
+        cfg["speculators_model_type"] = cfg["speculators_config"]["algorithm"] = "dflash2"
+        cfg.update(dflash2_layout.export_fields(spec))
+        # speculators' DFlash2 default, as the z-lab layout's is_causal=false; it
+        # changes nothing here, a DFlash2 export has no sliding layers.
+        cfg["sliding_window_non_causal"] = True
     return cfg
 
 
@@ -126,11 +140,14 @@ def spec_from_speculators_config(
     when the config lacks our `num_target_layers` field (it then names the target)."""
     warnings: list[str] = []
     kind = cfg.get("speculators_model_type")
-    if kind != "dflash":
+    if kind not in MODEL_TYPES:
         raise DFlashError(
-            f"{where}: speculators_model_type={kind!r}; only 'dflash' drafters can be "
-            "imported (dspark / eagle3 / mtp are other models)"
+            f"{where}: speculators_model_type={kind!r}; only {sorted(MODEL_TYPES)} drafters "
+            "can be imported (dspark / eagle3 / mtp are other models)"
         )
+    for key in LOGIT_FIELDS:
+        if key in cfg and cfg[key] != LOGIT_FIELDS[key]:
+            raise DFlashError(dflash2_layout.logit_field_problem(key, cfg[key], where))
     layer = _decoder_fields(cfg, where)
     aux = cfg.get("aux_hidden_state_layer_ids")
     if not aux:
@@ -175,11 +192,16 @@ def spec_from_speculators_config(
         num_target_layers=int(n_target),
         warnings=warnings,
     )
-    if "sliding_attention" in spec.layer_types and cfg.get("sliding_window_non_causal", False):
+    # speculators' DFlash2 config defaults this to true, its DFlash config to false.
+    non_causal = cfg.get("sliding_window_non_causal", kind == "dflash2")
+    if "sliding_attention" in spec.layer_types and non_causal:
+        said = "" if "sliding_window_non_causal" in cfg else " (speculators' DFlash2 default)"
         raise DFlashError(
-            f"{where}: sliding_window_non_causal=true (bidirectional sliding layers); "
+            f"{where}: sliding_window_non_causal=true{said}: bidirectional sliding layers; "
             "this project's sliding layers are causal inside the block"
         )
+    if kind == "dflash2":
+        spec = dflash2_layout.with_fields(spec, cfg, where, "")
     tokens = _speculative_tokens(cfg)
     if tokens is not None and tokens != spec.block_size - 1:
         warnings.append(

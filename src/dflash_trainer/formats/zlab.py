@@ -9,6 +9,8 @@ the value the z-lab loader would use and saying so in a warning.
 
 The weight names are the project's own state-dict names (they were chosen equal to
 z-lab's), so `expected_tensor_shapes` is the whole weight layout of both formats.
+A DFlash2 drafter's config differs in the architecture, `is_causal` and four
+`dflash_config` numbers (formats/dflash2_layout.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import Any
 
 from dflash_trainer.core.geometry import DrafterSpec, default_target_layer_ids
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats import dflash2_layout
+from dflash_trainer.formats.dflash2_layout import ARCHITECTURE_V2, LOGIT_FIELDS
 
 ARCHITECTURE = "DFlashDraftModel"
+KINDS = {ARCHITECTURE: "dflash", ARCHITECTURE_V2: "dflash2"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Defaults of transformers' Qwen3Config, which the z-lab loader inherits for a field
@@ -35,16 +40,17 @@ QWEN3_DEFAULTS: dict[str, Any] = {
 
 # dflash_config keys that engines read, with the value that means "plain DFlash" (the
 # model this project implements). Any other value is a different model: refuse it.
+# conv_kernel_size / selector_rank describe DFlash2, whose config names its own
+# architecture (they are that model's fields there, not neutral keys).
 NEUTRAL_DFLASH_KEYS: dict[str, Any] = {
     "causal": None,
     "use_swa": False,
     "attention_sink_bias": False,
-    "output_multiplier": 1.0,
     "use_aux_hidden_state": True,
     "sample_from_anchor": False,
-    "final_logit_softcapping": None,
     "conv_kernel_size": 0,
     "selector_rank": 0,
+    **LOGIT_FIELDS,
 }
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "num_target_layers"}
 
@@ -115,6 +121,12 @@ def zlab_config(spec: DrafterSpec, dtype: str) -> dict[str, Any]:
         # vLLM sizes fc from this (z-lab's loader assumes it equals hidden_size).
         "target_hidden_size": spec.target_hidden_size,
     }
+    if spec.is_dflash2:
+        cfg["architectures"] = [ARCHITECTURE_V2]
+        cfg["dflash_config"].update(dflash2_layout.export_fields(spec))
+        # The published DFlash2 configs say it; without it the z-lab loader makes
+        # sliding layers causal and others may not (a DFlash2 export has none).
+        cfg["is_causal"] = False
     cfg.update(geometry_fields(spec))
     # transformers 5 reads `dtype`, 4.x `torch_dtype`; `dtype="auto"` loads need it.
     cfg["dtype"] = dtype
@@ -145,6 +157,7 @@ def expected_tensor_shapes(spec: DrafterSpec) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}mlp.down_proj.weight"] = (h, inter)
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+    shapes.update(dflash2_layout.tensor_shapes(spec))
     return shapes
 
 
@@ -243,12 +256,19 @@ def _layer_types(
     return types, int(window)
 
 
-def _check_dflash_extras(dflash: dict[str, Any], where: str) -> None:
+def _check_dflash_extras(dflash: dict[str, Any], where: str, kind: str) -> None:
     for key, value in dflash.items():
-        if key in DFLASH_KEYS:
+        if key in DFLASH_KEYS or (kind == "dflash2" and key in dflash2_layout.FIELDS):
             continue
         if key in NEUTRAL_DFLASH_KEYS and value == NEUTRAL_DFLASH_KEYS[key]:
             continue
+        if key in LOGIT_FIELDS:
+            raise DFlashError(dflash2_layout.logit_field_problem(key, value, where))
+        if key in dflash2_layout.FIELDS:
+            raise DFlashError(
+                f"{where}: dflash_config.{key} is a DFlash2 field but architectures says "
+                f'{ARCHITECTURE}; a DFlash2 drafter says ["{ARCHITECTURE_V2}"]'
+            )
         raise DFlashError(
             f"{where}: dflash_config.{key}={value!r} describes a DFlash variant this "
             "project does not implement (plain DFlash: context K/V in every layer, "
@@ -329,6 +349,57 @@ def _one_of(cfg: dict[str, Any], dflash: dict[str, Any], key: str, where: str) -
     return nested if nested is not None else top
 
 
+def architecture_kind(cfg: dict[str, Any], where: str, warnings: list[str]) -> str:
+    """'dflash' or 'dflash2' from `architectures` (the field engines select the model by);
+    anything else is another model and refused."""
+    archs = cfg.get("architectures")
+    if not archs:
+        warnings.append(
+            f"{where}: no architectures; reading it as {ARCHITECTURE} (engines select the "
+            "model by this field: write it)"
+        )
+        return "dflash"
+    if not isinstance(archs, list):
+        raise DFlashError(f"{where}: architectures={archs!r} must be a list of names")
+    kinds = {KINDS.get(a) if isinstance(a, str) else None for a in archs}
+    if None in kinds or len(kinds) != 1:
+        raise DFlashError(
+            f"{where}: architectures={archs}: this project imports exactly one of "
+            f"{list(KINDS)} (DFlash, DFlash2); anything else is another model that it "
+            "would run wrong"
+        )
+    return str(kinds.pop())
+
+
+def _check_is_causal(cfg: dict[str, Any], kind: str, sliding: bool, where: str) -> None:
+    """`is_causal` as the z-lab loader reads it: true makes every layer causal; false
+    makes sliding layers bidirectional inside the block. Ours: full layers
+    bidirectional, sliding layers causal."""
+    value = cfg.get("is_causal")
+    if value is None and not (kind == "dflash2" and sliding):
+        return
+    if value is True:
+        raise DFlashError(
+            f"{where}: is_causal=true makes every layer causal inside the block; this "
+            "project's full_attention layers are bidirectional there, so it would run "
+            "this drafter wrong"
+        )
+    if sliding:
+        engines = (
+            "engines run them bidirectionally inside the block"
+            if value is False
+            else "DFlash2 engines run them bidirectionally inside the block (the published "
+            "is_causal=false) or causal, depending on the engine"
+        )
+        raise DFlashError(
+            f"{where}: sliding_attention layers with is_causal={value!r}: {engines}, while "
+            "this project runs them causal there, so it would run this drafter wrong "
+            "(a DFlash2 drafter it can import has full_attention layers only)"
+        )
+    if value is not False:
+        raise DFlashError(f"{where}: is_causal={value!r} must be false or absent")
+
+
 def spec_from_zlab_config(cfg: dict[str, Any], where: str) -> tuple[DrafterSpec, list[str]]:
     """Parse a z-lab layout config.json; warnings name every default that was filled."""
     warnings: list[str] = []
@@ -338,9 +409,11 @@ def spec_from_zlab_config(cfg: dict[str, Any], where: str) -> tuple[DrafterSpec,
             f"{where}: no dflash_config object; not a z-lab DFlash drafter config "
             "(the z-lab loader fails without it)"
         )
-    _check_dflash_extras(dflash, where)
-    if ARCHITECTURE not in (cfg.get("architectures") or []):
-        warnings.append(f"{where}: architectures={cfg.get('architectures')} lacks {ARCHITECTURE}")
+    kind = architecture_kind(cfg, where, warnings)
+    _check_dflash_extras(dflash, where, kind)
+    for key in LOGIT_FIELDS:  # the z-lab loader also reads them at the top level
+        if key in cfg and cfg[key] != LOGIT_FIELDS[key]:
+            raise DFlashError(dflash2_layout.logit_field_problem(key, cfg[key], where))
     if cfg.get("model_type", "qwen3") != "qwen3":
         warnings.append(
             f"{where}: model_type={cfg.get('model_type')!r}; reading it as the Qwen3-style "
@@ -382,4 +455,7 @@ def spec_from_zlab_config(cfg: dict[str, Any], where: str) -> tuple[DrafterSpec,
         num_target_layers=int(n_target),
         warnings=warnings,
     )
+    _check_is_causal(cfg, kind, "sliding_attention" in spec.layer_types, where)
+    if kind == "dflash2":
+        spec = dflash2_layout.with_fields(spec, dflash, where, "dflash_config.")
     return spec, warnings
