@@ -305,6 +305,29 @@ def test_config_refuses_fp8_where_it_cannot_run():
     assert load_config(overrides=["target.precision=fp8"]).target.precision == "fp8"
 
 
+def test_doctor_reports_the_fp8_requirement_and_plans_fp8_memory():
+    from dflash_trainer.doctor.run import run_doctor
+
+    def doctor(precision: str, hardware: str | None):
+        cfg = load_config(recipe="qwen3.6-27b", overrides=[f"target.precision={precision}"])
+        return run_doctor(cfg, hardware=hardware, gpus=4, env={}, use_tokenizer=False)
+
+    fp8_rep, bf16_rep = doctor("fp8", "rtx-pro-6000"), doctor("bf16", "rtx-pro-6000")
+    (c,) = fp8_rep.get("target.precision")
+    assert c.status == "pass" and "planned on rtx-pro-6000" in c.message
+    assert bf16_rep.get("target.precision")[0].status == "pass"
+
+    def target_gb(rep) -> float:
+        (m,) = rep.get("memory.target")
+        return float(m.message.split(": ")[1].split(" GB")[0])
+
+    assert target_gb(fp8_rep) < target_gb(bf16_rep) - 20  # 27B weights at 1 byte, not 2
+    if not torch.cuda.is_available():
+        (c,) = doctor("fp8", None).get("target.precision")
+        assert c.status == "warn" and "compute capability 8.9" in c.message
+        assert "target.precision=bf16" in c.fix
+
+
 # --------------------------------------------------------------------------------- GPU
 
 

@@ -42,7 +42,9 @@ class Hardware:
     """GPU-to-GPU bandwidth per direction inside a host (NVLink or PCIe)."""
     link_kind: str
     matmul_efficiency: float = H200_MEASURED_MATMUL_EFFICIENCY
-    """Achieved / peak for large matmuls."""
+    """Achieved / peak for large bf16 matmuls."""
+    fp8_matmul_efficiency: float | None = None
+    """Achieved / peak for the FP8 target's row-wise scaled matmuls (None: as bf16's)."""
     bandwidth_efficiency: float = H200_MEASURED_COPY_EFFICIENCY
     """Achieved / peak for memory-bound elementwise work."""
     link_efficiency: float = 0.7
@@ -52,6 +54,12 @@ class Hardware:
     measured: tuple[str, ...] = ()
     """Which fields are measurements rather than datasheet values."""
     source: str = ""
+
+    @property
+    def fp8_efficiency(self) -> float:
+        if self.fp8_matmul_efficiency is None:
+            return self.matmul_efficiency
+        return self.fp8_matmul_efficiency
 
     def to_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
@@ -103,8 +111,9 @@ PRESETS: dict[str, Hardware] = {
         bandwidth_gbs=1792.0,
         link_gbs=64.0,
         link_kind="PCIe 5.0 x16 (no NVLink)",
-        source="RTX PRO 6000 Blackwell: 503.8 TFLOP/s bf16 dense (4 PFLOPS FP4 sparse / 8), "
-        "1.79 TB/s GDDR7; efficiencies assumed equal to the H200's",
+        source="RTX PRO 6000 Blackwell: 503.8 TFLOP/s bf16 and 1007.6 FP8 dense with fp32 "
+        "accumulation (4 PFLOPS FP4 sparse / 8 and / 4), 1.79 TB/s GDDR7; efficiencies "
+        "assumed equal to the H200's",
     ),
 }
 
