@@ -4,6 +4,8 @@ path against bf16, compiled and under CUDA-graph capture."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -290,6 +292,16 @@ def test_fp8_is_refused_on_the_cpu_before_anything_loads(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(DFlashError, match="no CUDA GPU is visible"):
             fp8.fp8_mode("cuda")
+
+
+def test_eval_with_an_fp8_target_is_refused_on_the_cpu(capsys):
+    from dflash_trainer import cli
+
+    drafter = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-dflash-b16"
+    argv = ["eval", "--drafter", str(drafter), "--target-precision", "fp8", "--device", "cpu"]
+    assert cli.main([*argv, "--max-samples", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "compute capability 8.9" in err and "--target-precision bf16" in err
 
 
 def test_config_refuses_fp8_where_it_cannot_run():

@@ -183,7 +183,8 @@ def check_fp8_device(device: str | torch.device) -> None:
     dev = torch.device(device)
     if dev.type != "cuda":
         raise DFlashError(
-            f"{REQUIREMENT}; the target is on {dev.type}: use target.precision=bf16 there"
+            f"{REQUIREMENT}; the target is on {dev.type}: use target.precision=bf16 there "
+            "(dflash eval: --target-precision bf16)"
         )
     if not torch.cuda.is_available():
         raise DFlashError(f"{REQUIREMENT}; no CUDA GPU is visible to this process")
