@@ -1,7 +1,8 @@
 """The doctor's check of the target's matmul precision: an FP8 target (`target.precision:
 fp8`) needs a CUDA GPU of compute capability 8.9 or newer and a PyTorch whose scaled FP8
-matmul runs there (target/fp8.py). Checked on this machine's GPU when it has one (the same
-probe the loader runs), else against the planned card, else left as a warning.
+matmul runs there (target/fp8.py). The capability is checked on this machine's GPU when it
+has one (the loader then probes the matmul itself), else the planned card is named, else
+it is left as a warning.
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ def check_target_precision(cfg: Config, hardware: Hardware | None, cuda: bool) -
     if cuda:
         import torch
 
-        from dflash_trainer.target.fp8 import fp8_mode
+        from dflash_trainer.target.fp8 import check_fp8_device
 
-        dev = cfg.training.device if cfg.training.device.startswith("cuda") else "cuda"
+        # The compute capability only: a probe matmul would open a CUDA context on this GPU
+        # in every rank; the loader probes the target's own GPU.
+        dev = cfg.training.device if cfg.training.device.startswith("cuda:") else "cuda:0"
         try:
-            mode = fp8_mode(dev)
+            check_fp8_device(dev)
         except DFlashError as e:
             return [Check("target.precision", "fail", str(e), _FIX)]
         name = torch.cuda.get_device_name(torch.device(dev))
+        cap = ".".join(map(str, torch.cuda.get_device_capability(torch.device(dev))))
         return [
             Check(
                 "target.precision",
                 "pass",
-                f"fp8 target: {name} runs {mode} scaled FP8 matmuls (the target's linears are "
-                "quantized when it loads)",
+                f"fp8 target: {name} (compute capability {cap}) has FP8 tensor cores; the "
+                "scaled matmul is probed when the target loads",
             )
         ]
     if hardware is not None:

@@ -162,7 +162,10 @@ class FP8Linear(nn.Module):
         if x_MK.dtype != torch.bfloat16:
             x_MK = x_MK.to(torch.bfloat16)
         rowwise = self.mode == "rowwise"
-        fn = _compiled_matmul() if self.compiled and x.is_cuda else _scaled_matmul
+        # Inside a region torch.compile is already tracing, the plain function is traced
+        # (and fused) with the rest.
+        own_compile = self.compiled and x.is_cuda and not torch.compiler.is_compiling()
+        fn = _compiled_matmul() if own_compile else _scaled_matmul
         out = fn(x_MK, self.weight_fp8, self.weight_scale, rowwise)
         if self.bias is not None:
             out = out + self.bias

@@ -208,6 +208,12 @@ class FrozenTarget:
         return next(self.model.parameters()).device
 
     @property
+    def num_params(self) -> int:
+        """The target's weights, counting an FP8 target's quantized weights (buffers)."""
+        n = sum(p.numel() for p in self.model.parameters())
+        return n + sum(b.numel() for b in self.model.buffers() if b.dtype == torch.float8_e4m3fn)
+
+    @property
     def embed_tokens(self) -> nn.Module:
         emb = self.model.get_input_embeddings()
         assert isinstance(emb, nn.Module)
