@@ -41,6 +41,7 @@ Blackwell, sm_120); else a DFlashError naming the requirement.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -199,25 +200,44 @@ def check_fp8_device(device: str | torch.device) -> None:
         )
 
 
+def _probe_error(fn: Any, args: tuple[Any, ...], want: torch.Tensor, device: str) -> str | None:
+    """None when `fn(*args)` runs on `device` and matches `want`, else what went wrong."""
+    try:
+        got = fn(*args)
+        torch.cuda.synchronize(device)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # a missing kernel, a cuBLAS status, a compiler error
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    err = ((got.float() - want).norm() / want.norm()).item()
+    return None if err < 1e-2 else f"relative error {err:.3g} against the fp32 emulation"
+
+
 @functools.cache
-def _probe(device: str) -> Fp8Mode:
-    """Which scaled matmul this PyTorch runs correctly on `device`."""
+def _probe(device: str) -> tuple[Fp8Mode, bool]:
+    """Which scaled matmul this PyTorch runs correctly on `device`, and whether its compiled
+    form (the one the FP8 linears call) builds and agrees too."""
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(32, 64, generator=g).to(device, torch.bfloat16)
     w_q, w_s = quantize_rows(torch.randn(48, 64, generator=g).to(device))
-    want = reference_matmul(x, w_q, w_s.reshape(1, -1))
+    w_s = w_s.reshape(1, -1).contiguous()
+    want = reference_matmul(x, w_q, w_s)
     errors = []
     for mode in ("rowwise", "tensorwise"):
-        try:
-            got = _scaled_matmul(x, w_q, w_s.reshape(1, -1).contiguous(), mode == "rowwise")
-            torch.cuda.synchronize(device)
-        except RuntimeError as e:
-            errors.append(f"{mode}: {str(e).splitlines()[0]}")
+        args = (x, w_q, w_s, mode == "rowwise")
+        why = _probe_error(_scaled_matmul, args, want, device)
+        if why is not None:
+            errors.append(f"{mode}: {why}")
             continue
-        err = ((got.float() - want).norm() / want.norm()).item()
-        if err < 1e-2:
-            return mode
-        errors.append(f"{mode}: relative error {err:.3g} against the fp32 emulation")
+        why = _probe_error(_compiled_matmul(), args, want, device)
+        if why is not None:
+            print(
+                f"[dflash] target FP8: the compiled quantization does not build here ({why}); "
+                "the FP8 linears quantize eagerly (a few more kernels each)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return mode, why is None
     raise DFlashError(
         f"{REQUIREMENT}; PyTorch {torch.__version__} has no working FP8 matmul on "
         f"{torch.cuda.get_device_name(device)} ({'; '.join(errors)}): use "
@@ -225,12 +245,16 @@ def _probe(device: str) -> Fp8Mode:
     )
 
 
-def fp8_mode(device: str | torch.device) -> Fp8Mode:
-    """The scaled-matmul flavour for `device` (probed once), or a DFlashError."""
+def _probed(device: str | torch.device) -> tuple[Fp8Mode, bool]:
     dev = torch.device(device)
     check_fp8_device(dev)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _probe(f"cuda:{index}")
+
+
+def fp8_mode(device: str | torch.device) -> Fp8Mode:
+    """The scaled-matmul flavour for `device` (probed once), or a DFlashError."""
+    return _probed(device)[0]
 
 
 # ------------------------------------------------------------------------ conversion
@@ -299,7 +323,7 @@ def quantize_linears(
     can run by an FP8Linear, on the linear's own device; the rest stays as it is.
 
     `mode` None: probed per device (`fp8_mode`: the device requirement is checked
-    there). Linears are converted one at a time and each bf16 weight is dropped as soon
+    there; where the compiled quantization does not build, the linears run it eagerly). Linears are converted one at a time and each bf16 weight is dropped as soon
     as its FP8 copy exists, so the peak is the bf16 model plus one layer's weights.
     """
     report = Fp8Report()
@@ -309,8 +333,8 @@ def quantize_linears(
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         lin = getattr(parent, leaf)
-        dev_mode = mode or fp8_mode(lin.weight.device)
-        new = FP8Linear.from_linear(lin, dev_mode, compiled)
+        dev_mode, dev_compiled = (mode, compiled) if mode else _probed(lin.weight.device)
+        new = FP8Linear.from_linear(lin, dev_mode, compiled and dev_compiled)
         report.bytes_before += _bytes(lin.weight) + (
             _bytes(lin.bias) if lin.bias is not None else 0
         )
