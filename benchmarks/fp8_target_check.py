@@ -200,7 +200,8 @@ def stage_hidden(args: argparse.Namespace, target: str, data: str) -> dict[str, 
         acc["fp8_vs_bf16"].add(out["fp8"], out["bf16"], logits["fp8"], logits["bf16"])
         acc["bf16_vs_fp32"].add(out["bf16"], out["fp32"], logits["bf16"], logits["fp32"])
     return {
-        "model": target,
+        "model": args.target,
+        "model_dir": target,
         "device": args.device,
         "documents": len(docs),
         "tokens": sum(len(d.input_ids) for d in docs),
