@@ -64,8 +64,10 @@ def test_fp8_column_pays_the_quantization_and_gains_only_on_the_linears():
     cfg = load_config(recipe=QWEN36)
     hw = get_hardware("h200")
     bf16 = predict(cfg, hw, gpus=2, data=SEED_DATA, target_precision="bf16")
-    # FP8 at the bf16 rate: only the quantization is left, so the target is slower.
-    same = dataclasses.replace(hw, fp8_tflops=hw.bf16_tflops)
+    # FP8 at the bf16 rate and efficiency: only the quantization is left, so it is slower.
+    same = dataclasses.replace(
+        hw, fp8_tflops=hw.bf16_tflops, fp8_matmul_efficiency=hw.matmul_efficiency
+    )
     slow = predict(cfg, same, gpus=2, data=SEED_DATA, target_precision="fp8")
     tm = describe_target(load_target_config(cfg.target))
     quant = (
