@@ -7,6 +7,15 @@ included), steady step time split target / drafter, samples/s, tokens/s and peak
 memory, next to the planner's prediction when the planner is importable.
 
     python benchmarks/online_step.py --recipe qwen3.6-27b --docs 4 --steps 6 --json out.json
+
+--target-precision both measures the bf16 target and then the FP8 one
+(`target.precision=fp8`) in the same process, same data and steps: the first Trainer is
+released (and the compile caches reset) before the second is built, and each leg's peak
+memory is counted from its own start (`start_gb` says what was still allocated then).
+--fp8-json merges the two legs into the FP8 results file as
+`{"bf16": {"target_ms", "drafter_ms", "step_ms", "peak_gb", ...}, "fp8": {...}}`. A leg
+that runs out of memory (the bf16 27B target with its drafter needs about 100 GB, more than
+an H100 has) is recorded with its error and the next leg still runs.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer.config import load_config, replace
+from dflash_trainer.config import ConfigError, load_config, replace
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.configs import load_target_config
 from dflash_trainer.train.trainer import Trainer
 
@@ -56,17 +66,101 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _hardware() -> str:
+    """The planner preset of this GPU (h200 when it is not one of the presets)."""
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    return next((key for key in ("h100", "b200") if key in name), "h200")
+
+
 def _plan(cfg: Any) -> Any:
     from dflash_trainer.plan import planner
 
     try:
-        return planner.predict(cfg, "h200")
+        return planner.predict(cfg, _hardware())
     except Exception as e:  # the comparison is optional; the measurement is not
         print(f"planner prediction unavailable: {e!r}", file=sys.stderr)
         return None
 
 
 def main() -> None:
+    args = parse_args()
+    legs = ["bf16", "fp8"] if args.target_precision == "both" else [args.target_precision]
+    results: dict[str, Any] = {}
+    for i, precision in enumerate(legs):
+        if i:
+            _release()
+        try:
+            results[precision] = measure(args, precision, json_path(args, precision, len(legs)))
+        except torch.cuda.OutOfMemoryError as e:
+            print(f"{precision} leg: out of GPU memory: {e}", file=sys.stderr)
+            results[precision] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        except (ConfigError, DFlashError) as e:  # e.g. an FP8 target on a GPU without FP8
+            print(f"{precision} leg: {e}", file=sys.stderr)
+            results[precision] = {"error": str(e)}
+    if args.fp8_json:
+        from fp8_target_check import merge_json, results_path
+
+        merge_json(Path(args.fp8_json), fp8_summary(args, results))
+        print(f"wrote {results_path(args.fp8_json)}")
+    if all("error" in r for r in results.values()):
+        sys.exit(1)
+
+
+def json_path(args: argparse.Namespace, precision: str, legs: int) -> str | None:
+    """--json for one leg; with two legs, OUT.json becomes OUT.bf16.json and OUT.fp8.json."""
+    if not args.json or legs == 1:
+        return args.json
+    p = Path(args.json)
+    return str(p.with_name(f"{p.stem}.{precision}{p.suffix}"))
+
+
+def _release() -> None:
+    """Free the previous leg: its Trainer is gone; drop compiled graphs and cached blocks."""
+    import gc
+
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def fp8_summary(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """The FP8 results file's keys for these legs (ms and GB, as the issue's goals are stated)."""
+    out: dict[str, Any] = {
+        "online_step": {
+            "recipe": args.recipe,
+            "docs": args.docs,
+            "steps": args.steps,
+            "overrides": args.override,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__,
+        }
+    }
+    for precision, r in results.items():
+        if "error" in r:
+            out[precision] = {"error": r["error"]}
+            continue
+        out[precision] = {
+            "target_ms": 1e3 * r["target_s_median"],
+            "drafter_ms": 1e3 * r["drafter_s_median"],
+            "step_ms": 1e3 * r["step_s_median"],
+            "peak_gb": r["peak_gb"],
+            "start_gb": r["start_gb"],
+            "first_step_s": r["first_step_s"],
+        }
+        pvm = r.get("predicted_vs_measured")
+        if pvm:  # the planner's column for this precision, same units
+            out[precision]["predicted"] = {
+                "target_ms": 1e3 * pvm["target_side_s"][0],
+                "drafter_ms": 1e3 * pvm["drafter_s"][0],
+                "step_ms": 1e3 * pvm["step_s"][0],
+                "peak_gb": pvm["peak_gb"][0],
+            }
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--recipe", default="qwen3.6-27b")
     ap.add_argument(
@@ -78,7 +172,18 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="print the top ops (host and GPU) of two steps"
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--target-precision",
+        choices=["bf16", "fp8", "both"],
+        default="bf16",
+        help="both: the bf16 leg, then the FP8 target's, in this process",
+    )
+    ap.add_argument("--fp8-json", help="merge the legs into this FP8 results file")
+    return ap.parse_args()
+
+
+def measure(args: argparse.Namespace, precision: str, json_out: str | None) -> dict[str, Any]:
+    """One leg: a Trainer with this target precision, its first step and `steps` more."""
     base = load_config(recipe=args.recipe, overrides=args.override)
     budget = base.data.token_budget
     doc_len = budget // args.docs
@@ -100,8 +205,10 @@ def main() -> None:
         f"run.output_dir={tmp / 'run'}",
         "training.loss_chunk_rows=1024",
         *args.override,
+        f"target.precision={precision}",
     ]
     cfg = load_config(recipe=args.recipe, overrides=overrides)
+    start_gb = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
     t0 = time.perf_counter()
     tr = Trainer(cfg, log_to_console=True)
     t_built = time.perf_counter() - t0
@@ -120,6 +227,7 @@ def main() -> None:
     plan = _plan(cfg)
     out = {
         "recipe": args.recipe,
+        "target_precision": precision,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "build_s": t_built,
         "first_step_s": t_first,
@@ -130,13 +238,16 @@ def main() -> None:
         "drafter_s_median": statistics.median(s.drafter_s for s in stats),
         "samples_per_s": args.docs / med,
         "tokens_per_s": stats[-1].tokens / med,
-        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9 - start_gb
+        if torch.cuda.is_available()
+        else 0.0,
+        "start_gb": start_gb,
         "losses": [s.loss for s in stats],
         "prediction": plan.to_dict() if plan is not None else None,
     }
     print(json.dumps(out, indent=2, default=str))
     print(
-        f"\n{args.recipe}: step {med * 1e3:.0f} ms (target {out['target_s_median'] * 1e3:.0f} + "
+        f"\n{args.recipe} ({precision} target): step {med * 1e3:.0f} ms (target {out['target_s_median'] * 1e3:.0f} + "
         f"drafter {out['drafter_s_median'] * 1e3:.0f}), {out['samples_per_s']:.1f} samples/s, "
         f"{out['tokens_per_s']:.0f} tok/s, peak {out['peak_gb']:.1f} GB, first step after {t_first:.0f} s"
     )
@@ -163,10 +274,11 @@ def main() -> None:
                 if meas[k]
             )
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    if json_out:
+        Path(json_out).write_text(json.dumps(out, indent=2, default=str))
     if args.profile:
         profile_steps(tr)
+    return out
 
 
 def profile_steps(tr: Trainer, steps: int = 2) -> None:

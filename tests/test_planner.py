@@ -45,9 +45,10 @@ def test_fp8_target_halves_linear_weights_and_speeds_the_target():
     bf16 = predict(cfg, "h200", gpus=2, data=SEED_DATA, target_precision="bf16")
     fp8 = predict(cfg, "h200", gpus=2, data=SEED_DATA, target_precision="fp8")
     assert fp8.memory[0].breakdown_gb["weights"] < 0.56 * bf16.memory[0].breakdown_gb["weights"]
-    # Only the linears run at the FP8 rate: the calibrated Gated DeltaNet scan (about a
-    # third of this target's time on the H200) does not get faster.
-    assert fp8.times.target < 0.8 * bf16.times.target
+    # Only the linears run at the FP8 rate (at the measured FP8 efficiency, 0.57 of peak):
+    # the calibrated Gated DeltaNet scan (about a third of this target's time on the H200)
+    # does not get faster.
+    assert fp8.times.target < 0.9 * bf16.times.target
     assert fp8.times.drafter == pytest.approx(bf16.times.drafter)
     assert fp8.hours_per_epoch is not None and bf16.hours_per_epoch is not None
     assert fp8.hours_per_epoch < bf16.hours_per_epoch

@@ -47,7 +47,10 @@ class TargetConfig:
     gguf_file: str | None = setting(None, min_len=1, file_name=True)
     """GGUF file name inside `name_or_path` (set automatically for GGUF assets)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Weights dtype of the target (fp32 is the safe choice on CPU)."""
+    """Compute dtype of the target, and its weights' unless precision=fp8 (fp32 is the safe choice on CPU)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """fp8: the decoder layers' linears in float8 e4m3, quantized once at load (half the weight
+    memory, FP8 matmuls; a CUDA GPU of compute capability >= 8.9; docs/fp8-target.md)."""
     random_init: bool = False
     """Build the target from its config with random weights (shape/speed work only)."""
     hf_config_overrides: dict[str, Any] = field(
@@ -63,6 +66,12 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         check_section(self, "target")
+        if self.precision == "fp8" and self.dtype != "bfloat16":
+            fail(
+                "target.precision",
+                f"fp8 computes in bfloat16 (the FP8 matmuls return bf16), but target.dtype is "
+                f"{self.dtype}; set target.dtype=bfloat16 or target.precision=bf16",
+            )
 
 
 @dataclass(frozen=True)
@@ -423,3 +432,17 @@ class Config:
 
     def __post_init__(self) -> None:
         check_section(self, "")
+        if self.target.precision == "fp8":
+            if self.training.device == "cpu":
+                fail(
+                    "target.precision",
+                    "fp8 needs a CUDA GPU of compute capability >= 8.9, but training.device is "
+                    "cpu; use target.precision=bf16 on the CPU",
+                )
+            if self.distributed.target_sharding == "fsdp":
+                fail(
+                    "target.precision",
+                    "fp8 keeps its quantized weights in buffers, which FSDP does not shard; use "
+                    "distributed.target_sharding=replicate (an FP8 target takes half the memory) "
+                    "or device_map",
+                )

@@ -28,6 +28,7 @@ from dflash_trainer.doctor.geometry_checks import (
     check_init_from,
     check_layers,
 )
+from dflash_trainer.doctor.precision_checks import check_target_precision
 from dflash_trainer.doctor.report import Check, DoctorReport
 from dflash_trainer.doctor.token_checks import check_mask_token, scan_tokens
 from dflash_trainer.doctor.training_checks import (
@@ -151,6 +152,7 @@ def run_doctor(
     hybrid = "linear_attention" in (getattr(t, "layer_types", None) or [])
     cuda_expected = hw is not None or _cuda_available()
     report.checks += check_training(cfg, cuda_expected)
+    report.checks += check_target_precision(cfg, hw, _cuda_available())
     report.checks += check_compile_cache(cfg, world, hybrid, env)
     return report
 

@@ -166,6 +166,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="default: float32 on CPU, else the recorded dtype",
     )
+    p.add_argument(
+        "--target-precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="fp8: the target's linears in FP8 (a GPU of compute capability >= 8.9; "
+        "docs/fp8-target.md); default bf16",
+    )
     p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument(
         "--prompts",
@@ -245,7 +252,9 @@ def run(args: argparse.Namespace) -> int:
         enable_thinking=args.enable_thinking,
     )
     sets = [load_prompt_set(name, cfg.max_samples, cfg.seed) for name in cfg.prompts]
-    models = load_eval_models(args.drafter, args.target, args.target_dtype, args.device)
+    models = load_eval_models(
+        args.drafter, args.target, args.target_dtype, args.device, args.target_precision
+    )
     results: dict[str, Any] = {}
     partial = Path(args.json) if args.json else None
     if partial is None and args.out_dir:

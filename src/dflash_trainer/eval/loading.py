@@ -108,7 +108,11 @@ def _offline_copy(name: str) -> str:
 
 
 def _target_config(
-    meta: dict[str, Any], target: str | None, dtype: str | None, device: str
+    meta: dict[str, Any],
+    target: str | None,
+    dtype: str | None,
+    device: str,
+    precision: str = "bf16",
 ) -> TargetConfig:
     recorded = meta.get("target") or {}
     if target is None:
@@ -121,10 +125,12 @@ def _target_config(
         name = _offline_copy(name)
     else:
         name, gguf = split_target(target)
+    if precision == "fp8" and dtype is None:
+        dtype = "bfloat16"  # what the FP8 matmuls return
     if dtype is None:
         # bf16 matmuls on CPU are slow and not what a server runs: fp32 there.
         dtype = "float32" if device == "cpu" else recorded.get("dtype") or "bfloat16"
-    return TargetConfig(name_or_path=name, gguf_file=gguf, dtype=dtype)  # type: ignore[arg-type]
+    return TargetConfig(name_or_path=name, gguf_file=gguf, dtype=dtype, precision=precision)  # type: ignore[arg-type]
 
 
 def load_eval_models(
@@ -132,15 +138,18 @@ def load_eval_models(
     target: str | None = None,
     dtype: str | None = None,
     device: str | None = None,
+    precision: str = "bf16",
 ) -> EvalModels:
-    """Drafter (eval mode, fp32 weights cast to the target dtype), FrozenTarget, tokenizer."""
+    """Drafter (eval mode, fp32 weights cast to the target dtype), FrozenTarget, tokenizer.
+
+    precision: the target's matmuls (`fp8`: its linears quantized at load, target/fp8.py)."""
     from dflash_trainer.core.drafter import DFlashDrafter
     from dflash_trainer.data import load_tokenizer
     from dflash_trainer.target.model import load_target_model
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec, state, meta = read_drafter(drafter_path)
-    tcfg = _target_config(meta, target, dtype, torch.device(dev).type)
+    tcfg = _target_config(meta, target, dtype, torch.device(dev).type, precision)
     model = load_target_model(tcfg, dev)
     frozen = FrozenTarget(model, spec.target_layer_ids)
     check_compatible(spec, frozen)
@@ -165,6 +174,7 @@ def load_eval_models(
             "name_or_path": tcfg.name_or_path,
             "gguf_file": tcfg.gguf_file,
             "dtype": tcfg.dtype,
+            "precision": tcfg.precision,
             "class": type(model).__name__,
             "num_hidden_layers": int(cfg.num_hidden_layers),
             "hidden_size": int(cfg.hidden_size),

@@ -171,6 +171,12 @@ class TargetLayer:
     """Weights of nn.Linear modules in the layer (2 FLOPs per weight per token)."""
     conv_channels: int = 0
     """Depthwise conv1d channels (linear-attention layers)."""
+    fp8_params: int = 0
+    """Weights of the linears an FP8 target converts (target/fp8.py: aligned, not routers)."""
+    fp8_inputs: int = 0
+    """Their in_features summed: activation values an FP8 target quantizes per token."""
+    fp8_linears: int = 0
+    """How many linears convert (each adds a quantization kernel in front of its matmul)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,10 @@ class TargetModel:
         return sum(layer.linear_params for layer in self.layers)
 
     @property
+    def decoder_fp8_params(self) -> int:
+        return sum(layer.fp8_params for layer in self.layers)
+
+    @property
     def kind_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for layer in self.layers:
@@ -214,6 +224,8 @@ def _describe_cached(config_json: str) -> TargetModel:
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dflash_trainer.target.fp8 import skip_reason
+
     d = json.loads(config_json)
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     # Meta tensors: exact shapes of a 27B model in about a second and no memory.
@@ -223,10 +235,21 @@ def _describe_cached(config_json: str) -> TargetModel:
     layer_types = list(getattr(cfg, "layer_types", None) or [])
     layers = []
     for i, layer in enumerate(decoder.layers):
-        lin = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+        linears = [(n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        lin = sum(m.weight.numel() for _, m in linears)
+        fp8 = [m for n, m in linears if skip_reason(n, m) is None]
         conv = sum(m.out_channels for m in layer.modules() if isinstance(m, nn.Conv1d))
         kind = layer_types[i] if i < len(layer_types) else "full_attention"
-        layers.append(TargetLayer(kind, int(lin), int(conv)))
+        layers.append(
+            TargetLayer(
+                kind,
+                int(lin),
+                int(conv),
+                fp8_params=sum(m.weight.numel() for m in fp8),
+                fp8_inputs=sum(m.in_features for m in fp8),
+                fp8_linears=len(fp8),
+            )
+        )
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb

@@ -2,8 +2,9 @@
 
 Every number is either a public datasheet value or a measurement on the project's own
 machine (docs/assets.md), and says which. Times are peak rate x efficiency: the efficiency
-defaults to the one ratio we have measured (bf16 matmul on the H200: ~797 of 989
-TFLOP/s), applied to every card until a finished run calibrates it (`--calibrate`).
+defaults to the ratios we have measured (bf16 matmul on the H200: ~797 of 989 TFLOP/s;
+row-wise FP8 on the H100: 0.57 of 1979), applied to every card until a finished run
+calibrates it (`--calibrate`).
 
 Units: GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s.
 """
@@ -20,6 +21,10 @@ GB_UNIT = 1e9
 
 H200_MEASURED_MATMUL_EFFICIENCY = 797.0 / 989.0
 """bf16 8192^3 matmul on the project's H200 over its datasheet peak (docs/assets.md)."""
+H100_MEASURED_FP8_EFFICIENCY = 0.57
+"""Row-wise scaled FP8 matmuls at Qwen3.6-27B shapes (8,192 tokens) on the project's H100,
+the per-token quantization's memory time taken out, over the 1979 TFLOP/s FP8 peak
+(benchmarks/fp8_matmul_h100_202612.md)."""
 H200_MEASURED_COPY_EFFICIENCY = 4.2 / 4.8
 """Device-to-device copy on the H200 (4.2 TB/s) over its datasheet HBM bandwidth."""
 
@@ -42,7 +47,10 @@ class Hardware:
     """GPU-to-GPU bandwidth per direction inside a host (NVLink or PCIe)."""
     link_kind: str
     matmul_efficiency: float = H200_MEASURED_MATMUL_EFFICIENCY
-    """Achieved / peak for large matmuls."""
+    """Achieved / peak for large bf16 matmuls."""
+    fp8_matmul_efficiency: float = H100_MEASURED_FP8_EFFICIENCY
+    """Achieved / peak for the FP8 target's row-wise scaled matmuls (measured on the H100,
+    applied to every card until a measurement of its own)."""
     bandwidth_efficiency: float = H200_MEASURED_COPY_EFFICIENCY
     """Achieved / peak for memory-bound elementwise work."""
     link_efficiency: float = 0.7
@@ -52,6 +60,10 @@ class Hardware:
     measured: tuple[str, ...] = ()
     """Which fields are measurements rather than datasheet values."""
     source: str = ""
+
+    @property
+    def fp8_efficiency(self) -> float:
+        return self.fp8_matmul_efficiency
 
     def to_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
@@ -81,7 +93,9 @@ PRESETS: dict[str, Hardware] = {
         bandwidth_gbs=3350.0,
         link_gbs=450.0,
         link_kind="NVLink 4 (900 GB/s bidirectional)",
-        source="NVIDIA H100 SXM datasheet; efficiencies assumed equal to the H200's",
+        measured=("fp8_matmul_efficiency",),
+        source="NVIDIA H100 SXM datasheet; bf16 and copy efficiencies assumed equal to the "
+        "H200's, FP8 efficiency measured (benchmarks/fp8_matmul_h100_202612.md)",
     ),
     "b200": Hardware(
         name="b200",
@@ -103,8 +117,9 @@ PRESETS: dict[str, Hardware] = {
         bandwidth_gbs=1792.0,
         link_gbs=64.0,
         link_kind="PCIe 5.0 x16 (no NVLink)",
-        source="RTX PRO 6000 Blackwell: 503.8 TFLOP/s bf16 dense (4 PFLOPS FP4 sparse / 8), "
-        "1.79 TB/s GDDR7; efficiencies assumed equal to the H200's",
+        source="RTX PRO 6000 Blackwell: 503.8 TFLOP/s bf16 and 1007.6 FP8 dense with fp32 "
+        "accumulation (4 PFLOPS FP4 sparse / 8 and / 4), 1.79 TB/s GDDR7; efficiencies "
+        "assumed equal to the H200's",
     ),
 }
 

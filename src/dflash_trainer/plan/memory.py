@@ -362,14 +362,18 @@ def target_memory(
     lin_bytes = 1 if fp8 else 2
     lin = target.decoder_linear_params
     other = target.total_params - lin
-    weights = lin_bytes * lin / shards + 2 * other
+    # FP8 converts the aligned, non-router linears (target/fp8.py); the others stay bf16.
+    # Its per-channel fp32 scales are 4 bytes per output row: left out (under 0.1%).
+    fp8_params = target.decoder_fp8_params if fp8 else 0
+    weights = (fp8_params + 2 * (lin - fp8_params)) / shards + 2 * other
     gathered = 0.0
     if shards > 1:
         gathered = 2.0 * lin_bytes * max(layer.linear_params for layer in target.layers)
     h, inter = target.hidden_size, target.intermediate_size
     m = min(micro_tokens, shape.target_padded_tokens)
     # One layer at a time: residual, norm output and the wider of MLP / attention / GDN.
-    mlp = 2 * m * (3 * inter + 2 * h)
+    # FP8: the down projection's input also exists as its e4m3 copy (1 byte a value).
+    mlp = 2 * m * (3 * inter + 2 * h) + (m * inter if fp8 else 0)
     attn = 2 * m * (3 * target.num_heads * target.head_dim + 2 * h) + shape.target_attn_pairs
     gdn = 4 * m * target.linear_value_heads * (6 * max(target.linear_key_dim, 1) + 128)
     layer = max(mlp, attn, gdn)

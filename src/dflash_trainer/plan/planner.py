@@ -64,6 +64,8 @@ class Calibration:
     records: int
     peak_mem_ratio: float | None = None
     """Measured peak_mem_gb / predicted drafter-GPU peak (reported, not applied)."""
+    target_precision: str = "bf16"
+    """The measured run's target.precision (its prediction is made with the same)."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ def predict(
 
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
     placement = placement or cfg.distributed.placement
-    dp, precision = _data_parallel(placement, gpus, target_precision)
+    dp, precision = _data_parallel(placement, gpus, target_precision or cfg.target.precision)
     compiled = cfg.training.compile if compile is None else compile
     compiled = True if compiled is None else compiled  # the trainer's default on CUDA
 
@@ -436,7 +438,11 @@ def calibrate(
     placement: str | None = None,
     data: DataStats | None = None,
 ) -> Calibration:
-    """Scale factors from RUN/metrics.jsonl (median over logged steps, the first skipped)."""
+    """Scale factors from RUN/metrics.jsonl (median over logged steps, the first skipped).
+
+    The run is predicted with its own config, its target.precision included, so a run
+    with an FP8 target calibrates against the FP8 prediction; `dflash plan` applies the
+    same two factors to every precision it prints."""
     from dflash_trainer.train.run_dir import read_metrics
 
     run = Path(run_dir)
@@ -468,6 +474,7 @@ def calibrate(
         source=str(run),
         records=len(records),
         peak_mem_ratio=ratio,
+        target_precision=base.target_precision,
     )
 
 

@@ -204,14 +204,18 @@ def _footer(preds: list[Prediction]) -> list[str]:
     p0 = preds[0]
     lines = [f"bottleneck ({p.target_precision}): {p.bottleneck}" for p in preds]
     hw = p0.hardware
+    fp8 = ""
+    if any(p.target_precision == "fp8" for p in preds):
+        fp8 = f", {hw.fp8_tflops:g} fp8 x {hw.fp8_efficiency:.3f}"
     lines.append(
-        f"rates: {hw.bf16_tflops:g} TFLOP/s bf16 x {hw.matmul_efficiency:.3f} efficiency, "
+        f"rates: {hw.bf16_tflops:g} TFLOP/s bf16 x {hw.matmul_efficiency:.3f} efficiency{fp8}, "
         f"{hw.bandwidth_gbs:g} GB/s x {hw.bandwidth_efficiency:.3f}, link {hw.link_gbs:g} GB/s ({hw.link_kind})"
     )
     if p0.calibration:
         c = p0.calibration
         lines.append(
-            f"calibrated from {c.source} ({c.records} records): target x{c.target_scale:.2f}, "
+            f"calibrated from {c.source} ({c.records} records, {c.target_precision} target): "
+            f"target x{c.target_scale:.2f}, "
             f"drafter x{c.drafter_scale:.2f}"
             + (
                 f", measured/predicted peak memory {c.peak_mem_ratio:.2f}"

@@ -3,7 +3,9 @@
 Every stage is `max(matmul FLOPs / (peak x matmul efficiency), bytes / (bandwidth x
 bandwidth efficiency))` summed with the memory-bound work that no matmul hides
 (elementwise ops, the loss's fp32 logits, the optimizer). Which rate applies:
-- target linear layers run at the FP8 peak for an FP8 target, everything else at bf16;
+- an FP8 target's converted linears (target/fp8.py) run at the FP8 peak times the FP8
+  efficiency, everything else at bf16; each converted linear first quantizes its input per
+  token (`FP8_QUANT_BYTES` of traffic per input value, one more kernel launch);
 - the chunked gated-delta-rule scan runs at `SCAN_EFFICIENCY` of the matmul rate (its
   small chunk matmuls do not fill the tensor cores; calibrated on the H200, below);
 - fused attention executes 2.5x its forward FLOPs in backward (score recompute).
@@ -31,6 +33,11 @@ over 8,192 tokens took 958 ms where 0.5 predicted 572; the 386 ms gap is the 48 
 DeltaNet layers (fla 0.6.0 chunk kernels under transformers 5.17, no causal-conv1d: many
 small fp32 Triton kernels), i.e. ~1% of the matmul rate on their 3.1 TFLOP."""
 LOSS_BYTES_PER_LOGIT = {"ce": 40.0, "kl": 110.0, "lk": 110.0}
+FP8_QUANT_BYTES = 3.0
+"""Per activation value an FP8 linear quantizes: the bf16 read (2) and the e4m3 write (1)
+of the compiled quantization kernel (its row amax and the cast share one pass)."""
+FP8_QUANT_OPS = 1
+"""Kernels an FP8 linear adds in front of its matmul (the compiled quantization)."""
 HOST_OVERHEAD_S = 0.001
 """Per step on the host, fixed: mask building, Python. Calibrated with HOST_PER_DOC_S on
 two SmolLM2 steps measured on the H200 (29 and 58 documents per step)."""
@@ -64,7 +71,7 @@ class Rates:
     def of(hw: Hardware) -> Rates:
         return Rates(
             bf16=hw.bf16_tflops * 1e12 * hw.matmul_efficiency,
-            fp8=hw.fp8_tflops * 1e12 * hw.matmul_efficiency,
+            fp8=hw.fp8_tflops * 1e12 * hw.fp8_efficiency,
             bandwidth=hw.bandwidth_gbs * 1e9 * hw.bandwidth_efficiency,
             link=hw.link_gbs * 1e9 * hw.link_efficiency,
         )
@@ -116,17 +123,24 @@ def target_time(
     rates: Rates,
     fp8: bool,
 ) -> float:
-    linear = flops.total("linear") / (rates.fp8 if fp8 else rates.bf16)
+    run = target.layers[:layers_run]
+    lin_params = sum(layer.linear_params for layer in run)
+    fp8_params = sum(layer.fp8_params for layer in run) if fp8 else 0
+    fp8_flops = 2.0 * padded_tokens * fp8_params
+    linear = (flops.total("linear") - fp8_flops) / rates.bf16 + fp8_flops / rates.fp8
     # Each micro-batch reads every weight once: bound below by bandwidth.
-    lin_params = sum(layer.linear_params for layer in target.layers[:layers_run])
-    weight_read = micro_batches * lin_params * (1 if fp8 else 2) / rates.bandwidth
+    weight_read = micro_batches * (2 * lin_params - fp8_params) / rates.bandwidth
     other = flops.total("attention") / rates.bf16
     other += flops.total("scan") / (rates.bf16 * SCAN_EFFICIENCY)
     other += flops.total("lm_head") / rates.bf16
     # Norms, residual adds, SwiGLU, rotary/gating, bf16: ~28 H + 6 I bytes per token-layer.
     per_token_layer = 28 * target.hidden_size + 6 * target.intermediate_size
     elementwise = padded_tokens * layers_run * per_token_layer / rates.bandwidth
-    ops = sum(TARGET_OPS_PER_LAYER.get(layer.kind, 40) for layer in target.layers[:layers_run])
+    ops = sum(TARGET_OPS_PER_LAYER.get(layer.kind, 40) for layer in run)
+    if fp8:
+        quant_values = padded_tokens * sum(layer.fp8_inputs for layer in run)
+        elementwise += FP8_QUANT_BYTES * quant_values / rates.bandwidth
+        ops += FP8_QUANT_OPS * sum(layer.fp8_linears for layer in run)
     dispatch = micro_batches * ops * LAUNCH_S
     return max(max(linear, weight_read) + other + elementwise, dispatch)
 

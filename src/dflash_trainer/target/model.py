@@ -23,6 +23,7 @@ device.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,8 @@ def load_target_model(
     max_memory (GPU index -> bytes): load on the host, then spread whole decoder layers
     over those GPUs (target_sharding=device_map); `device` is then ignored.
     """
+    if tcfg.precision == "fp8":
+        _check_fp8_devices(device, max_memory)  # before minutes of loading
     if max_memory is not None:
         device = "cpu"
     from transformers import AutoModelForCausalLM
@@ -112,7 +115,20 @@ def load_target_model(
     model.requires_grad_(False)
     if max_memory is not None:
         model = spread_over_gpus(model, max_memory)
+    if tcfg.precision == "fp8":
+        from dflash_trainer.target.fp8 import quantize_linears
+
+        # On the GPUs the layers sit on: quantizing is a pass over the weights there.
+        report = quantize_linears(model, decoder_layers(model))
+        print(f"[dflash] {report.summary()}", file=sys.stderr, flush=True)
     return model
+
+
+def _check_fp8_devices(device: str | torch.device, max_memory: dict[int, int] | None) -> None:
+    from dflash_trainer.target.fp8 import fp8_mode
+
+    for dev in [f"cuda:{i}" for i in max_memory] if max_memory is not None else [device]:
+        fp8_mode(dev)
 
 
 def spread_over_gpus(model: Any, max_memory: dict[int, int]) -> Any:
@@ -190,6 +206,12 @@ class FrozenTarget:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def num_params(self) -> int:
+        """The target's weights, counting an FP8 target's quantized weights (buffers)."""
+        n = sum(p.numel() for p in self.model.parameters())
+        return n + sum(b.numel() for b in self.model.buffers() if b.dtype == torch.float8_e4m3fn)
 
     @property
     def embed_tokens(self) -> nn.Module:

@@ -103,7 +103,7 @@ def resolve_step_path(
                 f"training.step_path=fast: {why}; use training.step_path=standard or auto"
             )
         return "fast", "training.step_path=fast"
-    params = sum(p.numel() for p in target.model.parameters())
+    params = target.num_params
     size = f"{params / 1e6:.0f}M-parameter target"
     if device.type != "cuda":
         return "standard", "auto: not on a GPU"
