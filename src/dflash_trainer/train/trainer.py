@@ -36,6 +36,7 @@ from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
+from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_run
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
@@ -124,6 +125,7 @@ class Trainer(Stepper):
         t = self.cfg.training
         torch.manual_seed(t.seed)
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
+        self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
             self._init_drafter_from(self.cfg.drafter.init_from)
         else:
@@ -181,6 +183,7 @@ class Trainer(Stepper):
             1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps)
         )
         self.in_training_eval = InTrainingEval(cfg, tokenizer_spec(cfg.target), self.data.eval)
+        check_fresh(self.inherited, self.data.path)  # never a prompt the lineage trained on
 
     def _build_optimizer(self) -> None:
         self.optimizer = build_optimizer(self.drafter, self.cfg.training)
@@ -266,7 +269,9 @@ class Trainer(Stepper):
                 "DFlash2 modules (convolutions, selector) start as no-ops on the DFlash "
                 "backbone: the drafter drafts exactly as it did until its first step"
             )
-        self._log(f"drafter initialised from {path}")
+        self.inherited = Inheritance.of(path, state)
+        n = len((self.inherited.parent or {}).get("continuations", []))
+        self._log(f"drafter initialised from {path} (its lineage: {n} continuations)")
 
     # ------------------------------------------------------------------- loop
 
@@ -419,7 +424,8 @@ class Trainer(Stepper):
             return
         from dflash_trainer.formats.drafter_io import write_drafter_dir
 
-        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self))
+        lineage = files_for_run(self, state)
+        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self), lineage)
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
     def _write_plots(self) -> None:
