@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,40 @@ def _record(chain: Chain, index: int) -> dict:
     lineage = read_lineage(chain.runs[2])
     assert lineage is not None
     return dict(lineage["continuations"][index])
+
+
+def test_the_lineage_curve_reads_the_recorded_jobs(chain: Chain, tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "lineage_curve.py"
+    spec = importlib.util.spec_from_file_location("lineage_curve", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # Block 4: the default goals (GSM8K 4.0) are out of any such drafter's reach, said so.
+    argv = [str(chain.runs[2]), "--out", str(tmp_path / "far"), "--block-size", "4"]
+    assert mod.main(argv) == 0
+    far = json.loads((tmp_path / "far.json").read_text())
+    assert "outside (1, 4)" in far["fits"]["assistant_turns"]["gsm8k"]["why_none"]
+    argv = [str(chain.runs[2]), "--out", str(tmp_path / "curve"), "--block-size", "4"]
+    assert mod.main([*argv, "--goal", "gsm8k=1.5", "--goal", "mt-bench=1.2"]) == 0
+    report = json.loads((tmp_path / "curve.json").read_text())
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+    # One point per job, at the cumulative data of the record and the tau of its report.
+    lineage = read_lineage(chain.runs[2])
+    assert lineage is not None
+    turns = [c["data"]["assistant_turns"] for c in lineage["continuations"]]
+    pts = report["points"]
+    assert [p["assistant_turns"] for p in pts] == [sum(turns[: i + 1]) for i in range(3)]
+    for p, ev in zip(pts, chain.evals, strict=True):
+        served = json.loads((ev / "eval.json").read_text())["sets"]
+        assert p["tau"] == {"gsm8k": served["gsm8k"]["tau"], "mt-bench": served["mt-bench"]["tau"]}
+    fit = report["fits"]["assistant_turns"]["gsm8k"]["tau_log_linear"]
+    assert fit["points"] == 3
+    xs = [math.log(p["assistant_turns"]) for p in pts]
+    ys = [p["tau"]["gsm8k"] for p in pts]
+    mx, my = sum(xs) / 3, sum(ys) / 3
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope /= sum((x - mx) ** 2 for x in xs)
+    assert fit["slope"] == pytest.approx(slope, abs=1e-9)
+    assert ("size_for_goal" in fit) == (slope > 0)
