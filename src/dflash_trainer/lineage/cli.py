@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("dir")
     a.add_argument("reports", nargs="+", help="eval.json, a headline JSON or a comparison JSON")
     a.add_argument("--name", help="the drafter's name in a side-by-side comparison JSON")
+    a.add_argument(
+        "--continuation",
+        type=int,
+        help="attach to this continuation (default: the last, whose weights are in DIR); an "
+        "earlier one's drafter measured again, e.g. the start drafter beside the new one",
+    )
     i = sub.add_parser("init", help="record the training of a drafter that has no lineage")
     i.add_argument("dir", help="the drafter directory (a published drafter, an export)")
     i.add_argument(
@@ -127,7 +133,11 @@ def _add_eval(args: argparse.Namespace) -> int:
     if not lineage["continuations"]:
         raise DFlashError(f"{d / LINEAGE_FILE}: no continuation to attach the evaluation to")
     entries = [eval_entry(r, args.name) for r in args.reports]  # all read before a write
-    last = lineage["continuations"][-1]
+    conts = lineage["continuations"]
+    index = len(conts) - 1 if args.continuation is None else args.continuation
+    if not 0 <= index < len(conts):
+        raise DFlashError(f"--continuation {index}: the lineage has 0..{len(conts) - 1}")
+    last = conts[index]
     last.setdefault("evals", []).extend(entries)
     write_lineage(d, lineage, read_prompts(d))
     card = d / "README.md"
