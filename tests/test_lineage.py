@@ -212,3 +212,25 @@ def test_the_lineage_curve_reads_the_recorded_jobs(chain: Chain, tmp_path: Path)
     slope /= sum((x - mx) ** 2 for x in xs)
     assert fit["slope"] == pytest.approx(slope, abs=1e-9)
     assert ("size_for_goal" in fit) == (slope > 0)
+
+
+def test_init_records_a_drafter_trained_before_lineages(chain: Chain, tmp_path: Path) -> None:
+    import shutil
+
+    d = tmp_path / "published"
+    shutil.copytree(chain.export, d, ignore=shutil.ignore_patterns("lineage*"))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [conversation(i) for i in range(5)])
+    ids = write_jsonl(tmp_path / "ids.jsonl", [{"id": f"synth/synth-{i:07d}"} for i in range(3)])
+    argv = ["lineage", "init", str(d), "--prompts", str(prompts), "--prompts", str(ids)]
+    assert main([*argv, "--steps", "7", "--supervised-tokens", "100"]) == 0
+    assert main([*argv, "--steps", "7"]) == 2  # only starts a lineage
+    lineage = read_lineage(d)
+    assert lineage is not None
+    (c,) = lineage["continuations"]
+    assert c["result"]["weights_sha256"] == drafter_weights_sha256(d)
+    assert c["data"]["sources"] == {"mix": {"prompt_ids": 5}, "synth": {"prompt_ids": 3}}
+    assert c["data"]["assistant_turns"] == 5 + 2  # c0 and c3 have two answers
+    assert recorded_ids(d) == {f"mix/c{i}" for i in range(5)} | {
+        f"synth/synth-{i:07d}" for i in range(3)
+    }
+    assert main(["lineage", "verify", str(d)]) == 0

@@ -40,6 +40,9 @@
 # Runtime on one H100 (estimated from benchmarks/data_scale_smollm2_h200_202612.md and the
 #   headline run): setup ~2 min, regen REGEN_SECONDS + ~3 min (synthesis, compile), prepare
 #   ~1 min, train ~9 min for 6 epochs of ~40k conversations, eval ~15 min, pack <1 min.
+#   The CPU rehearsal on 2 shared cores: setup 32 s (the genesis: 45,041 prompt ids), regen
+#   169 s (35,041 mixture prompts left out as recorded, 2 synthesized ones regenerated), prepare
+#   6 s, train 49 s (2 steps), eval 233 s (1 prompt a set, 8 tokens), pack 3 s (3 parts).
 # Result document: benchmarks/headline_job_smollm2_<gpu>_<date>.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/headline_job}"
@@ -54,9 +57,10 @@ report_env | tee "$OUT/env.txt"
 
 if [ "$DEVICE" = cuda ]; then
   ENGINE_ARGS="${ENGINE_ARGS:---batch-size 1024 --compile-decode --decode-sdpa cudnn --prefill-sdpa cudnn}"
-  TRAIN_DEVICE=() EVAL_DEVICE=()
+  SYNTH_ARGS=() TRAIN_DEVICE=() EVAL_DEVICE=()
 else  # the rehearsal: the same commands at sizes a CPU runs in minutes
   ENGINE_ARGS="--batch-size 4" SYNTH_N="${SYNTH_N:-4}" REGEN_SECONDS="${REGEN_SECONDS:-60}"
+  SYNTH_ARGS=(--backend hf --max-new-tokens 64)
   REGEN_NEW_TOKENS="${REGEN_NEW_TOKENS:-24}" STEPS="${STEPS:-2}" SAMPLES="${SAMPLES:-1}"
   EVAL_NEW_TOKENS="${EVAL_NEW_TOKENS:-8}" SETS="${SETS:-gsm8k,mt-bench}"
   TRAIN_DEVICE=(training.device=cpu data.max_doc_tokens=512 data.token_budget=2048
@@ -95,7 +99,7 @@ regen() {
   if [ ! -e "$d/synth.jsonl" ]; then
     $DFLASH data synthesize --model "$MODEL" --n "${SYNTH_N:-20000}" --seed "$seed" \
       --topics math,code,chat,writing --device "$DEVICE" --no-progress \
-      --out "$d/synth_raw.jsonl" $ENGINE_ARGS > "$d/synth.log" 2>&1 || return 1
+      --out "$d/synth_raw.jsonl" $ENGINE_ARGS "${SYNTH_ARGS[@]}" > "$d/synth.log" 2>&1 || return 1
     printf 'sources:\n  - name: synth-s%s\n    path: %s\n    messages: messages\n' "$seed" \
       "$d/synth_raw.jsonl" > "$d/synth_source.yaml"
     $DFLASH data prompts --sources "$d/synth_source.yaml" --seed "$seed" \
@@ -107,6 +111,7 @@ regen() {
   fi
   [ -e "$d/mix.jsonl" ] && sources+=("$d/mix.jsonl")
   paste -d '\n' "$d/synth.jsonl" "${sources[@]}" | sed '/^$/d' > "$d/all_prompts.jsonl"
+  [ -s "$d/all_prompts.jsonl" ] || { echo "no fresh prompts (all recorded in the lineage?)"; return 1; }
   $DFLASH data regenerate --input "$d/all_prompts.jsonl" --model "$MODEL" --out "$d/regen.jsonl" \
     --max-new-tokens "${REGEN_NEW_TOKENS:-512}" --max-conversation-tokens 4096 --seed "$seed" \
     --device "$DEVICE" --no-progress --stop-loops --exclude-lineage "$OUT/init" \

@@ -170,13 +170,18 @@ def _init(args: argparse.Namespace) -> int:
     for f in args.prompts:
         prompts.update(prompt_turns(f))
     counted = [t for t in prompts.values() if t is not None]
+    sources: dict[str, dict[str, int]] = {}
+    for pid in prompts:  # `<source>/<id>` of `dflash data prompts`
+        head, sep, _ = pid.partition("/")
+        row = sources.setdefault(head if sep else "-", {"prompt_ids": 0})
+        row["prompt_ids"] += 1
     data = {
         "documents": args.documents,
         "assistant_turns": args.assistant_turns
         if args.assistant_turns is not None
         else (sum(counted) if counted else None),
         "supervised_tokens": args.supervised_tokens,
-        "sources": {},
+        "sources": dict(sorted(sources.items())),
         "prompt_files": [str(f) for f in args.prompts],
         "note": args.note,
     }

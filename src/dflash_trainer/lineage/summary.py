@@ -26,7 +26,7 @@ def _sources(data: dict[str, Any]) -> str:
     rows = data.get("sources") or {}
     if not rows:
         return str(data.get("source") or "-")
-    return ", ".join(f"{k} {_n(v.get('documents'))}" for k, v in rows.items())
+    return ", ".join(f"{k} {_n(v.get('documents', v.get('prompt_ids')))}" for k, v in rows.items())
 
 
 def lineage_lines(lineage: Lineage | None) -> list[str]:
@@ -44,11 +44,19 @@ def lineage_lines(lineage: Lineage | None) -> list[str]:
         "",
     ]
     if tot["sources"]:
-        lines += ["Cumulative per source (conversations, supervised tokens):", ""]
+        lines += ["Cumulative per source (what each continuation recorded of it):", ""]
         for name, row in tot["sources"].items():
-            lines.append(
-                f"- {name}: {_n(row.get('documents'))}, {_n(row.get('supervised_tokens'))}"
-            )
+            parts = [
+                f"{_n(row[k])} {label}"
+                for k, label in (
+                    ("documents", "conversations"),
+                    ("assistant_turns", "assistant turns"),
+                    ("supervised_tokens", "supervised tokens"),
+                    ("prompt_ids", "prompt ids"),
+                )
+                if k in row
+            ]
+            lines.append(f"- {name}: {', '.join(parts)}")
         lines.append("")
     lines += [
         "| # | date | start weights | steps | conversations | turns | supervised tokens "
