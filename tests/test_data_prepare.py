@@ -51,7 +51,7 @@ def test_every_skip_reason_is_exercised_somewhere() -> None:
     """The reader tests cover the reader reasons, this file the template-stage ones."""
     from test_data_formats import READER_CASES
 
-    template_stage = {"special_token_in_content", "too_long", "bad_tokens"}
+    template_stage = {"special_token_in_content", "too_long", "bad_tokens", "in_lineage"}
     elsewhere = {"bad_json", "no_user_turn", "duplicate"}  # test_data_formats, by name
     in_template_tests = {"template_error", "mask_mismatch"}  # test_data_template
     guarded = {"bad_utf8", "too_deep", "record_error"}  # test_data_guard

@@ -51,6 +51,9 @@ COMMANDS: dict[str, Command] = {
         run="run_import",
     ),
     "data": Command("dflash_trainer.data.cli", "prepare, regenerate and inspect training data"),
+    "lineage": Command(
+        "dflash_trainer.lineage.cli", "what a drafter was trained on, continuation by continuation"
+    ),
     "plot": Command("dflash_trainer.train.plots", "write PNG training curves of a run directory"),
 }
 

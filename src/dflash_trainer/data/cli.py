@@ -63,6 +63,7 @@ def _add_prepare(sub: Any) -> None:
     )
     p.add_argument("--budget", type=int, default=8192, help="token budget shown in the stats")
     p.add_argument("--overwrite", action="store_true", help="replace a different preparation")
+    prompts_cli.add_exclude_lineage(p)
 
 
 def _add_regenerate(sub: Any) -> None:
@@ -115,6 +116,7 @@ def _add_regenerate(sub: Any) -> None:
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-progress", action="store_true")
+    prompts_cli.add_exclude_lineage(r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,6 +154,7 @@ def _prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         budget=args.budget,
         loop_tails=args.loop_tails,
+        exclude_ids=prompts_cli.lineage_ids(args.exclude_lineage),
     )
     manifest = read_manifest(out)
     print(ReadReport.from_dict(manifest["read_report"]).format())
@@ -201,6 +204,15 @@ def _regenerate(args: argparse.Namespace) -> int:
     records = read_records(args.input, args.format, report, False, args.max_records)
     convs = [c for c in records if isinstance(c, Conversation)]
     print(report.format(), file=sys.stderr)
+    if args.exclude_lineage:
+        used = prompts_cli.lineage_ids(args.exclude_lineage)
+        fresh = [c for c in convs if c.id not in used]
+        print(
+            f"left out {len(convs) - len(fresh)} conversations whose prompt id the lineage "
+            f"records ({len(used)} ids in {', '.join(args.exclude_lineage)})",
+            file=sys.stderr,
+        )
+        convs = fresh
     if not convs:
         raise DFlashError(f"no conversations with a user turn in {args.input}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)

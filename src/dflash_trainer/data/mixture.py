@@ -104,9 +104,11 @@ def build_mixture(
     sources: tuple[SourceConfig, ...] | list[SourceConfig],
     index: EvalIndex | None,
     seed: int = 0,
+    exclude: frozenset[str] = frozenset(),
 ) -> Mixture:
     """Read every source, drop cross-source duplicates (the earlier source keeps it), drop
-    contaminated records, apply caps, interleave by weight."""
+    contaminated records and those whose id is in `exclude` (a lineage's prompt ids), apply
+    caps, interleave by weight."""
     seen: set[str] = set()
     streams, reports = [], []
     dropped: list[dict[str, Any]] = []
@@ -120,6 +122,9 @@ def build_mixture(
                 report.skipped["duplicate"] += 1
                 continue
             seen.add(h)
+            if conv.id in exclude:
+                report.in_lineage += 1
+                continue
             hit = index.check(conv) if index is not None else None
             if hit is not None:
                 report.decontaminated += 1

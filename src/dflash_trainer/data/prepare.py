@@ -48,7 +48,9 @@ from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
 from dflash_trainer.errors import DFlashError
 
 SPLITS = ("train", "eval")
-PREPARED_FILES = frozenset({MANIFEST, "stats.txt", "stats.json", "lengths.png"})
+RECORD_IDS = "record_ids.json.gz"
+"""{split: {record id: assistant turns}}: which prompts each split holds (lineage, exclusion)."""
+PREPARED_FILES = frozenset({MANIFEST, "stats.txt", "stats.json", "lengths.png", RECORD_IDS})
 
 
 def _source_identity(resolved: Path | HFDataset) -> dict[str, Any]:
@@ -218,11 +220,22 @@ def _reuse(out: Path, fingerprint: str, overwrite: bool) -> bool:
 # ---------------------------------------------------------------- writing
 
 
+def _turns(record: Record) -> int:
+    """Assistant turns of a conversation; supervised spans of a pre-tokenized row."""
+    if isinstance(record, Conversation):
+        return sum(m["role"] == "assistant" for m in record.messages)
+    mask = [bool(x) for x in record.loss_mask]
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
 def _write_documents(
-    root: Path, inp: _Inputs, batch_size: int, loops: LoopTally
+    root: Path, inp: _Inputs, batch_size: int, loops: LoopTally, exclude: frozenset[str]
 ) -> tuple[ReadReport, SourceTally, dict[str, list[dict[str, Any]]]]:
-    """Read, template and shard every record; the counts and each split's shard entries."""
+    """Read, template and shard every record; the counts and each split's shard entries.
+
+    Records whose id is in `exclude` (a lineage's prompt ids) are skipped as `in_lineage`."""
     settings = inp.settings
+    ids: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
     report = ReadReport(source=str(inp.source))
     tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
     mask_loops = prepared_mode(settings) == "mask"
@@ -231,6 +244,8 @@ def _write_documents(
         inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
     )
     max_tokens = settings["max_tokens"]
+    if exclude:
+        records = _without(records, exclude, report, tally)
     for batch in _batches(records, batch_size):
         for record, doc in _templated(batch, inp.chat, len(inp.tok)):
             if mask_loops and not isinstance(doc, Skip):
@@ -248,7 +263,42 @@ def _write_documents(
             doc_id = record.content_hash
             split = split_of(doc_id, settings["eval_fraction"])
             writers[split].add(doc_id, doc.input_ids, doc.loss_mask)
+            ids[split][record.id] = _turns(record)
+    write_record_ids(root, ids)
     return report, tally, {s: w.close() for s, w in writers.items()}
+
+
+def _without(
+    records: Iterator[Record], exclude: frozenset[str], report: ReadReport, tally: SourceTally
+) -> Iterator[Record]:
+    for r in records:
+        if r.id in exclude:
+            report.reject("in_lineage")
+            tally.reject(r.id, "in_lineage")
+        else:
+            yield r
+
+
+def write_record_ids(root: Path, ids: dict[str, dict[str, int]]) -> None:
+    import gzip
+
+    with gzip.GzipFile(root / RECORD_IDS, "wb", mtime=0) as f:
+        f.write(json.dumps(ids, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+
+
+def read_record_ids(root: str | Path, split: str = "train") -> dict[str, int] | None:
+    """{record id: assistant turns} of one split; None for a directory prepared before the
+    ids were kept (or written by hand)."""
+    import gzip
+
+    path = Path(root) / RECORD_IDS
+    if not path.is_file():
+        return None
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return dict(json.load(f).get(split, {}))
+    except (OSError, ValueError, AttributeError) as e:
+        raise DFlashError(f"{path}: damaged ({e}); prepare the directory again") from e
 
 
 def _manifest(
@@ -297,6 +347,7 @@ def prepare_dataset(
     budget: int = 8192,
     batch_size: int = 256,
     loop_tails: str = "keep",
+    exclude_ids: frozenset[str] | None = None,
 ) -> Path:
     """Prepare `source` for training with `tokenizer`'s chat template into `out_dir`.
 
@@ -304,6 +355,7 @@ def prepare_dataset(
     spec for `load_tokenizer`. Documents over `max_tokens` are skipped (`too_long`). `budget`
     only feeds the statistics (documents over the trainer's token budget). `loop_tails`:
     "keep", or "mask" to take answers' repeating tails out of supervision (data/loop_tails.py).
+    `exclude_ids`: record ids left out (`in_lineage`): the prompts a drafter's lineage holds.
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
@@ -312,7 +364,7 @@ def prepare_dataset(
     t0 = time.perf_counter()
     out = Path(out_dir)
     remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
-    settings = {
+    settings: dict[str, Any] = {
         "fmt": fmt,
         "max_records": max_records,
         "max_tokens": max_tokens,
@@ -321,12 +373,16 @@ def prepare_dataset(
     }
     if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
         settings["loop_tails"] = loop_tails
+    exclude = frozenset(exclude_ids or ())
+    if exclude:  # likewise absent without exclusion
+        digest = hashlib.sha256("\n".join(sorted(exclude)).encode("utf-8")).hexdigest()
+        settings["exclude_ids"] = {"count": len(exclude), "sha256": digest}
     inp = _inputs(source, tokenizer, template_kwargs, settings)
     if _reuse(out, inp.fingerprint, overwrite):
         return out
     with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
         loops = LoopTally()
-        report, tally, entries = _write_documents(tmp, inp, batch_size, loops)
+        report, tally, entries = _write_documents(tmp, inp, batch_size, loops, exclude)
         if report.kept == 0:
             raise DFlashError(
                 f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "

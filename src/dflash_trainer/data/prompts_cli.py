@@ -54,6 +54,27 @@ def add_parser(sub: Any) -> None:
         help="share of an eval text's shingles a prompt must hold to be its near duplicate",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the per-source order and caps")
+    add_exclude_lineage(p)
+
+
+def add_exclude_lineage(p: Any) -> None:
+    """`--exclude-lineage DIR`, the same on prompts, regenerate and prepare."""
+    p.add_argument(
+        "--exclude-lineage",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="leave out every prompt id recorded in this drafter's lineage (a drafter or run "
+        "directory with lineage.json), so a continuation trains on prompts it has not seen; "
+        "repeatable",
+    )
+
+
+def lineage_ids(dirs: list[str]) -> frozenset[str]:
+    """The prompt ids recorded in the lineages of `dirs` (their hashes checked)."""
+    from dflash_trainer.lineage.record import recorded_ids
+
+    return frozenset(pid for d in dirs for pid in recorded_ids(d))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,12 +103,23 @@ def run(args: argparse.Namespace) -> int:
             parse_rules(args.decontam_rules),
             args.near_dup_containment,
         )
-    mix = build_mixture(sources, index, args.seed)
-    meta = {"sources_spec": str(args.sources), "seed": args.seed}
+    exclude = lineage_ids(args.exclude_lineage)
+    mix = build_mixture(sources, index, args.seed, exclude)
+    meta: dict[str, Any] = {"sources_spec": str(args.sources), "seed": args.seed}
+    if args.exclude_lineage:
+        meta["excluded_by_lineage"] = {
+            "lineages": [str(d) for d in args.exclude_lineage],
+            "recorded_ids": len(exclude),
+            "excluded": sum(r.in_lineage for r in mix.reports),
+            "per_source": {r.name: r.in_lineage for r in mix.reports if r.in_lineage},
+        }
     write_mixture(mix, args.out, meta)
     sidecar = read_sidecar(args.out)
     assert sidecar is not None
     print(format_source_counts(sidecar))
+    if args.exclude_lineage:
+        ex = meta["excluded_by_lineage"]
+        print(f"left out {ex['excluded']:,} prompts recorded in the lineage: {ex['per_source']}")
     print(
         f"wrote {args.out} ({len(mix.conversations):,} conversations), "
         f"{args.out.name}.sources.json and {args.out.name}.decontam.jsonl "

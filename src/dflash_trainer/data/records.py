@@ -34,6 +34,8 @@ SKIP_REASONS: dict[str, str] = {
     "template_error": "the chat template raised an error on this conversation",
     "mask_mismatch": "the assistant spans found in the render are inconsistent",
     "too_long": "more tokens than the max_tokens limit",
+    "in_lineage": "the prompt id is recorded in the drafter's lineage (an earlier continuation "
+    "trained on it)",
     "bad_utf8": "the text is not valid UTF-8 (invalid bytes or lone surrogate escapes)",
     "too_deep": "the JSON value is nested deeper than the decoder's recursion limit",
     "record_error": "reading the record raised an unexpected error (its type is listed under "

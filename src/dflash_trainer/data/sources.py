@@ -67,7 +67,7 @@ def describe_skip(reason: str) -> str:
 @dataclass
 class SourceReport:
     """Per-source counts. records == kept + sum(skipped); written = kept - decontaminated -
-    over_cap (the last two are filled in by the mixture)."""
+    in_lineage - over_cap (the last three are filled in by the mixture)."""
 
     name: str
     path: str
@@ -81,6 +81,8 @@ class SourceReport:
     decontaminated: int = 0
     decontaminated_by: Counter[str] = field(default_factory=Counter)
     """Decontamination drops per rule (`decontam.RULES`)."""
+    in_lineage: int = 0
+    """Prompts left out because a drafter's lineage records their id (--exclude-lineage)."""
     over_cap: int = 0
     written: int = 0
     user_turns: int = 0
@@ -106,6 +108,7 @@ class SourceReport:
             "errors": dict(sorted(self.errors.items())),
             "decontaminated": self.decontaminated,
             "decontaminated_by": dict(sorted(self.decontaminated_by.items())),
+            "in_lineage": self.in_lineage,
             "over_cap": self.over_cap,
             "written": self.written,
             "user_turns": self.user_turns,

@@ -160,6 +160,7 @@ def model_card(
     out: str,
     target: str | None,
     evals: list[dict[str, Any]] | None = None,
+    lineage: dict[str, Any] | None = None,
 ) -> str:
     tau = _value(meta, "eval", "tau")
     base = hub_id(target)
@@ -198,6 +199,10 @@ def model_card(
     lines += _json_block("Training data", meta.get("data"))
     if meta.get("prepared"):
         lines += _json_block("Prepared data", meta["prepared"])
+    if lineage is not None:
+        from dflash_trainer.lineage.summary import lineage_lines
+
+        lines += lineage_lines(lineage)
     lines += ["## Measured acceptance", ""]
     if evals:
         lines += measured_lines(evals, out)

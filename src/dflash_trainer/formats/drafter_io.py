@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.lineage.record import LINEAGE_FILES
 
 SPEC_FILE = "spec.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -46,7 +47,7 @@ def save_drafter_files(
     return d
 
 
-DRAFTER_FILES = frozenset({SPEC_FILE, WEIGHTS_FILE, META_FILE})
+DRAFTER_FILES = frozenset({SPEC_FILE, WEIGHTS_FILE, META_FILE, *LINEAGE_FILES})
 
 
 def write_drafter_dir(
@@ -54,16 +55,23 @@ def write_drafter_dir(
     spec: DrafterSpec,
     state_dict: dict[str, torch.Tensor],
     meta: dict[str, Any] | None = None,
+    extra: dict[str, bytes] | None = None,
 ) -> Path:
     """`save_drafter_files` into a directory written whole or not at all (atomic_dir).
 
-    An existing `directory` is replaced only if it holds nothing but drafter files: other
-    files in it are an error, and nothing is deleted.
+    `extra`: more files written with them (the lineage files, lineage/record.py). An existing
+    `directory` is replaced only if it holds nothing but drafter files: other files in it are
+    an error, and nothing is deleted.
     """
     d = Path(directory)
     check_replaceable(d, DRAFTER_FILES.__contains__, "a drafter (spec, weights, meta)")
+    unknown = sorted(set(extra or {}) - DRAFTER_FILES)
+    if unknown:
+        raise DFlashError(f"write_drafter_dir: {unknown} are not drafter files")
     with atomic_directory(d, replace=True) as tmp:
         save_drafter_files(tmp, spec, state_dict, meta)
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
     return d
 
 

@@ -52,6 +52,7 @@ from dflash_trainer.formats.zlab import (
     spec_from_zlab_config,
     zlab_config,
 )
+from dflash_trainer.lineage.record import LINEAGE_FILES
 
 FORMATS = ("zlab", "speculators")
 Imported = tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]
@@ -234,7 +235,7 @@ def _check_out(out: Path, force: bool) -> None:
     extra weights next to ours would be loaded too, or instead), which is then replaced."""
     if out.is_dir() and any(out.iterdir()) and not force:
         raise DFlashError(f"{out}: exists and is not empty; choose a new directory or --force")
-    ours = {"config.json", WEIGHTS_NAME, "README.md"}
+    ours = {"config.json", WEIGHTS_NAME, "README.md", *LINEAGE_FILES}
     check_replaceable(out, ours.__contains__, f"an export (--force replaces only {sorted(ours)})")
 
 
@@ -277,6 +278,7 @@ def export_drafter(
     gguf = None if target else (meta.get("target") or {}).get("gguf_file")
     t_cfg, special = _optional_target(name, gguf, explicit=target is not None)
     tensors = _cast(state, dtype, str(source))
+    carried = _source_lineage(source, state)
     serve = serving_name(name)  # what the card, the verifier and serve commands name
     if fmt == "zlab":
         config = zlab_config(spec, dtype)
@@ -287,7 +289,11 @@ def export_drafter(
     with atomic_directory(out_p, replace=True) as tmp:  # never a half-written export
         write_weights(tmp / WEIGHTS_NAME, tensors)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(spec, meta, fmt, str(out_p), serve, reports))
+        if carried is not None:
+            _export_lineage(tmp, carried, fmt, dtype, evals or [])
+        lineage = carried[0] if carried is not None else None
+        card = model_card(spec, meta, fmt, str(out_p), serve, reports, lineage)
+        (tmp / "README.md").write_text(card)
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():
         report.warn(
@@ -296,6 +302,42 @@ def export_drafter(
             "re-export with --target set to the target's hub id or directory",
         )
     return ExportResult(out_p, fmt, report, serve_commands(fmt, str(out_p), serve, spec))
+
+
+def _source_lineage(source: str | Path, state: dict[str, torch.Tensor]) -> Any:
+    """(lineage, prompt ids) of the drafter being exported, checked against its weights."""
+    from dflash_trainer.lineage.record import (
+        check_describes,
+        lineage_dir,
+        read_lineage,
+        read_prompts,
+        weights_sha256,
+    )
+
+    lineage = read_lineage(source)
+    if lineage is None:
+        return None
+    check_describes(lineage, weights_sha256(state), str(lineage_dir(source)))
+    return lineage, read_prompts(source)
+
+
+def _export_lineage(tmp: Path, carried: Any, fmt: str, dtype: str, evals: list[str]) -> None:
+    """The lineage into the export, with the export's weights hash (read back as `dflash
+    train --init-from` reads it) and the reports given with --eval attached."""
+    from dflash_trainer.lineage.record import drafter_weights_sha256, now, write_lineage
+    from dflash_trainer.lineage.served import eval_entry
+
+    lineage, prompts = carried
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the import's notes were shown for the source
+        h = drafter_weights_sha256(tmp)
+    if lineage["continuations"]:
+        last = lineage["continuations"][-1]
+        exports = [e for e in last.get("exports") or [] if e.get("weights_sha256") != h]
+        last["exports"] = [*exports, {"format": fmt, "dtype": dtype, "weights_sha256": h,
+                                      "date": now()}]  # fmt: skip
+        last.setdefault("evals", []).extend(eval_entry(e) for e in evals)
+    write_lineage(tmp, lineage, prompts)
 
 
 def _meta_target(meta: dict[str, Any]) -> str | None:

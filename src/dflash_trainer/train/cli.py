@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start over in a run directory that has checkpoints, deleting them "
         "(without it, that is refused: use --resume to continue)",
     )
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="continue from this drafter (a run directory, or a published or exported drafter "
+        "directory): its weights and its lineage, with a fresh optimizer whose schedule "
+        "warms up again (training.warmup_ratio); the same as drafter.init_from=DIR",
+    )
     p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
     p.add_argument(
         "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
@@ -34,6 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
+    init_from = getattr(args, "init_from", None)
+    if init_from:
+        if args.resume:
+            raise DFlashError(
+                "--init-from starts a new run from a drafter's weights; --resume continues a "
+                "run from its checkpoint: give one"
+            )
+        if not Path(init_from).exists():
+            raise DFlashError(f"--init-from {init_from}: no such directory")
+        args.overrides = [*args.overrides, f"drafter.init_from={init_from}"]
     if args.resume:
         cfg_path = Path(args.resume) / "config.yaml"
         if not cfg_path.is_file():

@@ -36,6 +36,7 @@ from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
+from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_run
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
@@ -48,6 +49,7 @@ from dflash_trainer.train.checkpoint import (
 )
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
 from dflash_trainer.train.fast_step import build_fast_step
+from dflash_trainer.train.metrics_window import console_line, window_record
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (
@@ -62,22 +64,6 @@ def _warn(msg: str) -> None:
 
 def _quiet(msg: str) -> None:
     """Other ranks read the same checkpoints: rank 0 alone reports on them."""
-
-
-PER_BLOCK_METRICS = frozenset({"exact_tau", "selector_tau", "oracle_tau", "lk_tau"})
-"""Metrics that are means over blocks (weighed by anchors when steps are averaged)."""
-
-OPTIONAL_METRICS = (
-    "base_loss",
-    "lk_loss",
-    "lk_tau",
-    "selector_loss",
-    "candidate_recall",
-    "selector_accuracy",
-    "selector_tau",
-    "oracle_tau",
-)
-"""Logged when the objective computes them: the lk term, DFlash2's selector term."""
 
 
 class Trainer(Stepper):
@@ -139,6 +125,7 @@ class Trainer(Stepper):
         t = self.cfg.training
         torch.manual_seed(t.seed)
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
+        self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
             self._init_drafter_from(self.cfg.drafter.init_from)
         else:
@@ -196,6 +183,7 @@ class Trainer(Stepper):
             1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps)
         )
         self.in_training_eval = InTrainingEval(cfg, tokenizer_spec(cfg.target), self.data.eval)
+        check_fresh(self.inherited, self.data.path)  # never a prompt the lineage trained on
 
     def _build_optimizer(self) -> None:
         self.optimizer = build_optimizer(self.drafter, self.cfg.training)
@@ -281,7 +269,9 @@ class Trainer(Stepper):
                 "DFlash2 modules (convolutions, selector) start as no-ops on the DFlash "
                 "backbone: the drafter drafts exactly as it did until its first step"
             )
-        self._log(f"drafter initialised from {path}")
+        self.inherited = Inheritance.of(path, state)
+        n = len((self.inherited.parent or {}).get("continuations", []))
+        self._log(f"drafter initialised from {path} (its lineage: {n} continuations)")
 
     # ------------------------------------------------------------------- loop
 
@@ -387,64 +377,12 @@ class Trainer(Stepper):
         return empty_run
 
     def _log_window(self, window: list[StepStats]) -> dict[str, Any]:
-        ok = [s for s in window if not s.skipped] or window
-        n = len(ok)
-        dt = sum(s.target_s + s.drafter_s for s in window)
-        m = {k: sum(s.metrics[k] for s in ok) / n for k in ok[0].metrics}
-        # Per-block means: weigh each step by its anchors (a step may have none).
-        n_anchors = sum(float(s.metrics["anchors"]) for s in ok)
-        if n_anchors > 0:
-            for key in PER_BLOCK_METRICS & set(m):
-                m[key] = sum(s.metrics[key] * s.metrics["anchors"] for s in ok) / n_anchors
-        rec: dict[str, Any] = {
-            "step": self.step,
-            "epoch": self.position.epoch
-            + self.position.step / max(1, self.batcher.steps_per_epoch),
-            "loss": sum(s.loss for s in ok) / n,
-            "accuracy": float(m["accuracy"]),
-            "exact_tau": float(m["exact_tau"]),
-            "expected_tau": float(m["expected_tau"]),
-            "slot_acc": [round(float(x), 5) for x in m["slot_acc"]],
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": sum(s.grad_norm for s in ok) / n,
-            "tokens_per_s": sum(s.tokens for s in window) / max(dt, 1e-9) * self.world.world_size,
-            "step_time_s": dt / len(window),
-            "target_time_s": sum(s.target_s for s in window) / len(window),
-            "drafter_time_s": sum(s.drafter_s for s in window) / len(window),
-            "valid_slots": float(m["valid_slots"]),
-            "tokens_seen": self.tokens_seen * self.world.world_size,
-            "truncated_docs": self.truncated_total,
-            "skipped_steps": self.skipped_total,
-        }
-        # The terms beside the block loss, when the objective has them (lk, DFlash2).
-        for key in OPTIONAL_METRICS:
-            if key in m:
-                rec[key] = float(m[key])
-        if self.world.drafter_device.type == "cuda":
-            rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.world.drafter_device) / 1e9
+        rec = window_record(self, window)
         self.metrics.write(rec)
-        if not self.console:
-            return rec
-        if (
-            self.step % (self.cfg.training.log_every * 10) == 0
-            or self.step == self.cfg.training.log_every
-        ):
-            self._log(
-                f"step {self.step}: loss {rec['loss']:.4f} acc {rec['accuracy']:.3f} "
-                f"tau {rec['exact_tau']:.2f}{self._selector_note(rec)} lr {rec['lr']:.2e} "
-                f"{rec['tokens_per_s']:.0f} tok/s"
-            )
+        every = self.cfg.training.log_every
+        if self.console and (self.step % (every * 10) == 0 or self.step == every):
+            self._log(console_line(rec))
         return rec
-
-    @staticmethod
-    def _selector_note(rec: dict[str, Any]) -> str:
-        """DFlash2: the selector path's tau beside the backbone's, and the candidates' recall."""
-        if "selector_tau" not in rec:
-            return ""
-        return (
-            f" (selector {rec['selector_tau']:.2f}, oracle top-K {rec['oracle_tau']:.2f}, "
-            f"recall {rec['candidate_recall']:.3f})"
-        )
 
     def _in_training_eval(self) -> dict[str, Any] | None:
         """Served tau measured every eval_every steps (eval/in_training.py), on rank 0.
@@ -486,7 +424,8 @@ class Trainer(Stepper):
             return
         from dflash_trainer.formats.drafter_io import write_drafter_dir
 
-        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self))
+        lineage = files_for_run(self, state)
+        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self), lineage)
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
     def _write_plots(self) -> None:

@@ -1,0 +1,1 @@
+"""What a drafter was trained on, continuation by continuation (lineage.json)."""

@@ -1,0 +1,201 @@
+"""`dflash lineage show | verify | add-eval | init`: read and extend a drafter's lineage.
+
+dflash lineage show DIR                       the continuations and cumulative totals
+dflash lineage verify DIR                     the hashes against the files beside them
+dflash lineage add-eval DIR REPORT [--name N] served numbers after the last continuation
+dflash lineage init DIR --prompts FILE ...    record how a drafter without a lineage
+                                              was trained (its first continuation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.lineage.record import (
+    LINEAGE_FILE,
+    append,
+    check_describes,
+    drafter_weights_sha256,
+    lineage_dir,
+    now,
+    read_lineage,
+    read_prompts,
+    totals,
+    write_lineage,
+)
+from dflash_trainer.lineage.served import eval_entry
+from dflash_trainer.lineage.summary import lineage_lines, replace_section
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="lineage_command", metavar="{show,verify,add-eval,init}")
+    s = sub.add_parser("show", help="the continuations and cumulative totals")
+    s.add_argument("dir", help="drafter or run directory")
+    s.add_argument("--json", action="store_true", help="print the totals as JSON")
+    v = sub.add_parser("verify", help="check the weights and prompt-id hashes")
+    v.add_argument("dir")
+    a = sub.add_parser("add-eval", help="attach evaluation reports to the last continuation")
+    a.add_argument("dir")
+    a.add_argument("reports", nargs="+", help="eval.json, a headline JSON or a comparison JSON")
+    a.add_argument("--name", help="the drafter's name in a side-by-side comparison JSON")
+    a.add_argument(
+        "--continuation",
+        type=int,
+        help="attach to this continuation (default: the last, whose weights are in DIR); an "
+        "earlier one's drafter measured again, e.g. the start drafter beside the new one",
+    )
+    i = sub.add_parser("init", help="record the training of a drafter that has no lineage")
+    i.add_argument("dir", help="the drafter directory (a published drafter, an export)")
+    i.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        help="a JSONL file whose `id`s the drafter trained on (prompts or regenerated "
+        "conversations; their turns are counted as assistant turns when present); repeatable",
+    )
+    i.add_argument("--steps", type=int, required=True)
+    i.add_argument("--assistant-turns", type=int, help="the trained turns, when known in total")
+    i.add_argument("--supervised-tokens", type=int)
+    i.add_argument("--documents", type=int)
+    i.add_argument("--note", default="", help="where the numbers come from")
+    p.set_defaults(_lineage_parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = getattr(args, "lineage_command", None)
+    if cmd is None:
+        args._lineage_parser.print_help()
+        return 2
+    handler = {"show": _show, "verify": _verify, "add-eval": _add_eval, "init": _init}[cmd]
+    return handler(args)
+
+
+def _need(path: str) -> tuple[Path, dict[str, Any]]:
+    lineage = read_lineage(path)
+    d = lineage_dir(path)
+    if lineage is None or d is None:
+        raise DFlashError(
+            f"{path}: no {LINEAGE_FILE} (nor {path}/drafter/{LINEAGE_FILE}); runs write one "
+            "into their drafter/, exports carry it, `dflash lineage init` starts one"
+        )
+    return d, lineage
+
+
+def _show(args: argparse.Namespace) -> int:
+    d, lineage = _need(args.dir)
+    if args.json:
+        print(json.dumps(totals(lineage), indent=1))
+        return 0
+    print(f"{d / LINEAGE_FILE}")
+    print("\n".join(lineage_lines(lineage)[2:]))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    d, lineage = _need(args.dir)
+    prompts = read_prompts(d)  # raises on a prompt-id hash mismatch
+    h = drafter_weights_sha256(d)
+    check_describes(lineage, h, str(d))
+    conts = lineage["continuations"]
+    for prev, c in pairwise(conts):
+        start = (c.get("start") or {}).get("weights_sha256")
+        known = {(prev.get("result") or {}).get("weights_sha256")}
+        known |= {e.get("weights_sha256") for e in prev.get("exports") or []}
+        if start not in known:
+            raise DFlashError(
+                f"{d / LINEAGE_FILE}: continuation {c['index']} starts from weights {start} "
+                f"that continuation {prev['index']} neither produced nor exported"
+            )
+    seen: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        for pid in p:
+            if pid in seen:
+                raise DFlashError(
+                    f"{d / LINEAGE_FILE}: prompt {pid!r} is recorded by continuations "
+                    f"{seen[pid]} and {i}: a continuation reused a prompt"
+                )
+            seen[pid] = i
+    print(
+        f"{d}: lineage OK ({len(conts)} continuations, {len(seen):,} distinct prompt ids, "
+        f"weights sha256 {h[:16]}... match the last continuation)"
+    )
+    return 0
+
+
+def _add_eval(args: argparse.Namespace) -> int:
+    d, lineage = _need(args.dir)
+    check_describes(lineage, drafter_weights_sha256(d), str(d))
+    if not lineage["continuations"]:
+        raise DFlashError(f"{d / LINEAGE_FILE}: no continuation to attach the evaluation to")
+    entries = [eval_entry(r, args.name) for r in args.reports]  # all read before a write
+    conts = lineage["continuations"]
+    index = len(conts) - 1 if args.continuation is None else args.continuation
+    if not 0 <= index < len(conts):
+        raise DFlashError(f"--continuation {index}: the lineage has 0..{len(conts) - 1}")
+    last = conts[index]
+    last.setdefault("evals", []).extend(entries)
+    write_lineage(d, lineage, read_prompts(d))
+    card = d / "README.md"
+    if card.is_file():
+        card.write_text(replace_section(card.read_text(), lineage_lines(lineage)))
+    print(f"{d / LINEAGE_FILE}: {len(entries)} evaluation(s) attached to continuation "
+          f"{last['index']}")  # fmt: skip
+    return 0
+
+
+def prompt_turns(path: str | Path) -> dict[str, int | None]:
+    """{id: assistant turns (None when the record has no answers)} of a JSONL file."""
+    from dflash_trainer.data.jsonio import iter_jsonl
+
+    out: dict[str, int | None] = {}
+    for row in iter_jsonl(Path(path)):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            raise DFlashError(f"{path}: every line needs a string `id` (a prompts file)")
+        turns = sum(m.get("role") == "assistant" for m in row.get("messages") or [])
+        out[row["id"]] = turns or None
+    return out
+
+
+def _init(args: argparse.Namespace) -> int:
+    d = Path(args.dir)
+    if read_lineage(d) is not None:
+        raise DFlashError(f"{d}: already has a {LINEAGE_FILE}; `init` only starts a lineage")
+    h = drafter_weights_sha256(d)
+    prompts: dict[str, int | None] = {}
+    for f in args.prompts:
+        prompts.update(prompt_turns(f))
+    counted = [t for t in prompts.values() if t is not None]
+    sources: dict[str, dict[str, int]] = {}
+    for pid in prompts:  # `<source>/<id>` of `dflash data prompts`
+        head, sep, _ = pid.partition("/")
+        row = sources.setdefault(head if sep else "-", {"prompt_ids": 0})
+        row["prompt_ids"] += 1
+    data = {
+        "documents": args.documents,
+        "assistant_turns": args.assistant_turns
+        if args.assistant_turns is not None
+        else (sum(counted) if counted else None),
+        "supervised_tokens": args.supervised_tokens,
+        "sources": dict(sorted(sources.items())),
+        "prompt_files": [str(f) for f in args.prompts],
+        "note": args.note,
+    }
+    continuation = {
+        "date": now(),
+        "recorded_after_training": True,
+        "start": {"init_from": None, "weights_sha256": None},
+        "steps": args.steps,
+        "data": data,
+        "result": {"weights_sha256": h, "dtype": None},
+        "exports": [],
+        "evals": [],
+    }
+    lineage, all_prompts = append(None, [], continuation, prompts if prompts else None)
+    write_lineage(d, lineage, all_prompts)
+    print(f"{d / LINEAGE_FILE}: started with {len(prompts):,} recorded prompt ids")
+    return 0
