@@ -23,8 +23,8 @@ from dflash_trainer.config import config_from_dict, replace
 from dflash_trainer.data.prepare import read_record_ids
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import load_drafter
+from dflash_trainer.lineage.cli import drafter_weights_sha256
 from dflash_trainer.lineage.record import (
-    drafter_weights_sha256,
     read_lineage,
     read_prompts,
     recorded_ids,

@@ -324,13 +324,13 @@ def _source_lineage(source: str | Path, state: dict[str, torch.Tensor]) -> Any:
 def _export_lineage(tmp: Path, carried: Any, fmt: str, dtype: str, evals: list[str]) -> None:
     """The lineage into the export, with the export's weights hash (read back as `dflash
     train --init-from` reads it) and the reports given with --eval attached."""
-    from dflash_trainer.lineage.record import drafter_weights_sha256, now, write_lineage
+    from dflash_trainer.lineage.record import now, weights_sha256, write_lineage
     from dflash_trainer.lineage.served import eval_entry
 
     lineage, prompts = carried
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the import's notes were shown for the source
-        h = drafter_weights_sha256(tmp)
+        h = weights_sha256(import_drafter(tmp)[1])
     if lineage["continuations"]:
         last = lineage["continuations"][-1]
         exports = [e for e in last.get("exports") or [] if e.get("weights_sha256") != h]

@@ -20,16 +20,25 @@ from dflash_trainer.lineage.record import (
     LINEAGE_FILE,
     append,
     check_describes,
-    drafter_weights_sha256,
     lineage_dir,
     now,
     read_lineage,
     read_prompts,
     totals,
+    weights_sha256,
     write_lineage,
 )
 from dflash_trainer.lineage.served import eval_entry
 from dflash_trainer.lineage.summary import lineage_lines, replace_section
+
+
+def drafter_weights_sha256(path: str | Path) -> str:
+    """The weights hash of the drafter at `path`, read as `dflash train --init-from` reads it
+    (here, not in record.py: reading a drafter needs the formats package, which itself
+    writes lineages)."""
+    from dflash_trainer.formats.export import import_drafter
+
+    return weights_sha256(import_drafter(path)[1])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

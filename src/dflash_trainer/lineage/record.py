@@ -59,13 +59,6 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def drafter_weights_sha256(path: str | Path) -> str:
-    """The weights hash of the drafter at `path`, read as `dflash train --init-from` reads it."""
-    from dflash_trainer.formats.export import import_drafter
-
-    return weights_sha256(import_drafter(path)[1])
-
-
 def prompts_sha256(prompts: Mapping[str, int | None]) -> str:
     text = json.dumps(dict(sorted(prompts.items())), separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

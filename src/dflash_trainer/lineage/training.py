@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,9 +27,6 @@ from dflash_trainer.lineage.record import (
     read_prompts,
     weights_sha256,
 )
-
-if TYPE_CHECKING:
-    from dflash_trainer.train.trainer import Trainer
 
 
 @dataclass
@@ -109,10 +106,12 @@ def data_summary(
     return data, dict(ids) if ids is not None else None
 
 
-def files_for_run(tr: Trainer, state: dict[str, torch.Tensor]) -> dict[str, bytes]:
-    """The final drafter's lineage files: the inherited lineage plus this run's continuation."""
-    from dflash_trainer.config import config_to_dict
-
+def files_for_run(
+    tr: Any, state: dict[str, torch.Tensor], config: dict[str, Any]
+) -> dict[str, bytes]:
+    """The final drafter's lineage files: the inherited lineage plus this run's continuation.
+    `tr` is the Trainer (typed loosely: the trainer imports this module) and `config` its
+    config as a dict."""
     inherited: Inheritance = tr.inherited
     manifest = getattr(tr.data.train, "manifest", None)
     data, ids = data_summary(tr.data.path, manifest)
@@ -125,7 +124,7 @@ def files_for_run(tr: Trainer, state: dict[str, torch.Tensor]) -> dict[str, byte
         "epochs": round(epochs, 4),
         "tokens_seen": tr.tokens_seen * tr.world.world_size,
         "data": data,
-        "config": config_to_dict(tr.cfg),
+        "config": config,
         "result": {"weights_sha256": weights_sha256(state), "dtype": ",".join(dtypes)},
         "exports": [],
         "evals": [],

@@ -7,13 +7,38 @@ Kept apart from the loop so that what a row holds is read in one place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from dflash_trainer.train.batching import Position
+from dflash_trainer.train.distributed import World
+
 if TYPE_CHECKING:
     from dflash_trainer.train.stepping import StepStats
-    from dflash_trainer.train.trainer import Trainer
+
+
+class Trainer(Protocol):
+    """What a metrics row reads of the trainer (a protocol: trainer.py imports this module,
+    not the other way round)."""
+
+    @property
+    def world(self) -> World: ...
+    @property
+    def position(self) -> Position: ...
+    @property
+    def batcher(self) -> Any: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def tokens_seen(self) -> int: ...
+    @property
+    def truncated_total(self) -> int: ...
+    @property
+    def skipped_total(self) -> int: ...
+
 
 PER_BLOCK_METRICS = frozenset({"exact_tau", "selector_tau", "oracle_tau", "lk_tau"})
 """Metrics that are means over blocks (weighed by anchors when steps are averaged)."""

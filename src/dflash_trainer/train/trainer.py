@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, config_to_dict
 from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
@@ -424,7 +424,7 @@ class Trainer(Stepper):
             return
         from dflash_trainer.formats.drafter_io import write_drafter_dir
 
-        lineage = files_for_run(self, state)
+        lineage = files_for_run(self, state, config_to_dict(self.cfg))
         write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self), lineage)
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
 
