@@ -51,6 +51,10 @@ COMMANDS: dict[str, Command] = {
         run="run_import",
     ),
     "data": Command("dflash_trainer.data.cli", "prepare, regenerate and inspect training data"),
+    "serve-check": Command(
+        "dflash_trainer.serve.check",
+        "serve the drafter in vLLM: its acceptance beside `dflash eval`'s, greedy equality",
+    ),
     "plot": Command("dflash_trainer.train.plots", "write PNG training curves of a run directory"),
 }
 
