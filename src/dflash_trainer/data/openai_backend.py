@@ -84,8 +84,8 @@ class OpenAIGenerator:
     def generate_chains(self, first: list[tuple[Prompt, int]], follow: Follow) -> None:
         """Chains of requests (a conversation's turns): `follow(chain, ids or None)` gets each
         answer in this thread and returns the chain's next (prompt, key) or None. Requests
-        not yet sent are cancelled when `follow` raises (time limit, Ctrl-C); those in flight
-        end within the client's timeout and are dropped."""
+        not yet sent are cancelled when `follow` raises (time limit, Ctrl-C); the answers of
+        those in flight are dropped."""
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="openai")
         running: dict[Future[list[int] | None], int] = {}
         try:
@@ -98,8 +98,8 @@ class OpenAIGenerator:
                     nxt = follow(chain, fut.result())
                     if nxt is not None:
                         running[pool.submit(self.ask, *nxt)] = chain
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        finally:  # on an interrupt, do not wait for the requests in flight to time out
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def ask(self, prompt: Prompt, key: int) -> list[int] | None:
         """One request: the answer's token ids, or None (counted by the client)."""

