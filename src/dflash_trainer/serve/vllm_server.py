@@ -50,8 +50,11 @@ def repo_root() -> Path:
 def vllm_python(explicit: str | None = None) -> Path:
     """The interpreter of the vLLM virtualenv: --vllm-python, $DFLASH_VLLM_PYTHON, or
     .venv-vllm in the working directory or the repository."""
-    candidates = [explicit] if explicit else []
-    candidates += [os.environ.get(VENV_ENV) or ""]
+    if explicit:  # named: that one or an error, never another found elsewhere
+        if not Path(explicit).is_file():
+            raise DFlashError(f"--vllm-python {explicit}: no such file")
+        return Path(explicit)
+    candidates = [os.environ.get(VENV_ENV) or ""]
     candidates += [str(Path.cwd() / DEFAULT_VENV / "bin" / "python")]
     candidates += [str(repo_root() / DEFAULT_VENV / "bin" / "python")]
     for c in candidates:
