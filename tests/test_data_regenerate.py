@@ -379,8 +379,8 @@ def test_an_interrupted_job_keeps_the_answered_turns_of_open_conversations(
     full = _run(convs, m, tok, tmp_path / "full.jsonl", **kw)
     assert full.written == 9
     whole = {r["id"]: r for r in _lines(tmp_path / "full.jsonl")}
-    real = regen._generator
-    monkeypatch.setattr(regen, "_generator", lambda *a, **k: _Interrupting(real(*a, **k), 8))
+    real = regen.make_generator
+    monkeypatch.setattr(regen, "make_generator", lambda *a, **k: _Interrupting(real(*a, **k), 8))
     out = tmp_path / "regen.jsonl"
     with pytest.raises(KeyboardInterrupt):
         _run(convs, m, tok, out, **kw)

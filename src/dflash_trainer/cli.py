@@ -54,6 +54,10 @@ COMMANDS: dict[str, Command] = {
     "lineage": Command(
         "dflash_trainer.lineage.cli", "what a drafter was trained on, continuation by continuation"
     ),
+    "serve-check": Command(
+        "dflash_trainer.serve.check",
+        "serve the drafter in vLLM: its acceptance beside `dflash eval`'s, greedy equality",
+    ),
     "plot": Command("dflash_trainer.train.plots", "write PNG training curves of a run directory"),
 }
 

@@ -11,6 +11,7 @@ from typing import Any
 from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
 from dflash_trainer.data.loop_tails import LOOP_TAILS
+from dflash_trainer.data.openai_backend import add_server_arguments
 from dflash_trainer.errors import DFlashError
 
 _THINKING = {"on": True, "off": False, "default": None}
@@ -107,11 +108,13 @@ def _add_regenerate(sub: Any) -> None:
     )
     r.add_argument(
         "--backend",
-        choices=["auto", "hf", "static", "vllm"],
+        choices=["auto", "hf", "static", "openai"],
         default="auto",
-        help="auto: the static engine on a GPU when the target allows it, else hf",
+        help="auto: the static engine on a GPU when the target allows it, else hf; openai: an "
+        "OpenAI-compatible server at --base-url serving --model (docs/serving.md)",
     )
     _add_engine_options(r)
+    add_server_arguments(r)
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     r.add_argument("--seed", type=int, default=0)
@@ -216,13 +219,11 @@ def _regenerate(args: argparse.Namespace) -> int:
     if not convs:
         raise DFlashError(f"no conversations with a user turn in {args.input}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    if backend == "vllm":
-        from dflash_trainer.data.loading import split_spec
-        from dflash_trainer.data.vllm_backend import load_llm
+    model, server = None, None
+    if backend == "openai":
+        from dflash_trainer.data.openai_backend import server_from_args
 
-        where, gguf = split_spec(args.model)
-        tok_dir = split_spec(args.tokenizer or args.model)[0]
-        model = load_llm(str(Path(where) / gguf) if gguf else where, args.dtype, args.seed, tok_dir)
+        server = server_from_args(args)
     else:
         model = load_causal_lm(args.model, device, args.dtype)
         backend = _engine_or_hf(backend, model)
@@ -246,6 +247,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         engine=_engine_options(args),
         time_limit=args.time_limit,
         stop_loops=args.stop_loops,
+        server=server,
     )
     print(
         f"wrote {result.written} records to {args.out} ({result.already_done} already done, "
@@ -255,7 +257,8 @@ def _regenerate(args: argparse.Namespace) -> int:
         f"{result.truncated_at_prompt_limit} cut at the prompt limit, "
         f"{result.cut_at_conversation_limit} cut and {result.skipped_conversation_too_long} "
         "skipped at the conversation token limit, "
-        f"{result.oom_splits} batches split after running out of GPU memory); "
+        f"{result.oom_splits} batches split after running out of GPU memory, "
+        f"{result.not_answered} not answered by the server); "
         f"{result.new_tokens} new tokens in {result.seconds:.1f} s = "
         f"{result.tokens_per_second:.1f} tokens/s; finish reasons {result.finish_reasons}"
     )
@@ -285,6 +288,10 @@ def _log_run(args: argparse.Namespace, result: Any) -> None:
 
     if result.engine:
         print(engine_line(result.engine))
+    if result.server:
+        from dflash_trainer.data.openai_backend import server_line
+
+        print(server_line(result.server))
     record = asdict(result) | {
         "tokens_per_second": result.tokens_per_second,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -369,8 +376,14 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument("--near-duplicate", type=float, default=0.7, help="word-trigram Jaccard")
     y.add_argument("--thinking", choices=sorted(_THINKING), default="default")
     y.add_argument("--batch-size", type=int, default=64, help="engine rows")
-    y.add_argument("--backend", choices=["static", "hf"], default="static")
+    y.add_argument(
+        "--backend",
+        choices=["static", "hf", "openai"],
+        default="static",
+        help="openai: an OpenAI-compatible server at --base-url serving --model",
+    )
     _add_engine_options(y)
+    add_server_arguments(y)
     y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
     y.add_argument("--seed", type=int, default=0)
@@ -398,7 +411,13 @@ def _synthesize(args: argparse.Namespace) -> int:
     )
     settings.check()
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    model = load_causal_lm(args.model, _resolve_device(args.device), args.dtype)
+    model, server = None, None
+    if args.backend == "openai":
+        from dflash_trainer.data.openai_backend import server_from_args
+
+        server = server_from_args(args)
+    else:
+        model = load_causal_lm(args.model, _resolve_device(args.device), args.dtype)
     report = synthesize(
         model,
         tokenizer,
@@ -408,8 +427,13 @@ def _synthesize(args: argparse.Namespace) -> int:
         args.batch_size,
         progress=not args.no_progress,
         engine=_engine_options(args),
+        server=server,
     )
     print(f"{args.out}: {report.format()} (counts in {args.out}.report.json)")
+    if report.server:
+        from dflash_trainer.data.openai_backend import server_line
+
+        print(server_line(report.server))
     return 0
 
 

@@ -12,8 +12,8 @@ turn r of every unfinished conversation of the window. Per-prompt HF `generate` 
 `per_prompt_generate` (hf_generate.py), the baseline the benchmark compares against. The
 static engine (engine.py: fixed-size caches, continuous batching, CUDA graphs) is the default
 on a GPU for the targets it supports; it runs each conversation as a chain of turns and takes
-the whole job as one window; vLLM, when installed, is a separate
-backend (vllm_backend.py) behind the same two-method interface.
+the whole job as one window; an OpenAI-compatible server (vLLM, SGLang, ...) is the
+`openai` backend (openai_backend.py), run as chains too, concurrent requests in flight.
 
 Length: with `max_conversation_tokens`, a conversation whose render would grow past the budget
 ends at the last turn that fits (the turn that overflowed is dropped; a conversation whose
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash_trainer.data.hf_generate import HFBatchGenerator
+from dflash_trainer.data.backends import make_generator
 from dflash_trainer.data.loop_tails import loop_stop
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.regen_output import (
@@ -70,10 +70,11 @@ from dflash_trainer.errors import DFlashError
 
 class Generator(Protocol):
     max_batch: int | None
-    """Prompts per call; None: give it the whole round (vLLM schedules by itself)."""
+    """Prompts per call; None: give it the whole round (the engine schedules by itself)."""
 
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """New token ids per prompt (may run past the first stop id; the caller cuts)."""
+    def generate(self, prompts: list[list[int]]) -> Sequence[list[int] | None]:
+        """New token ids per prompt (may run past the first stop id; the caller cuts);
+        None: the prompt was not answered (a server's failure, counted by the backend)."""
         ...
 
 
@@ -141,6 +142,11 @@ class RegenerateReport:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     engine: dict[str, Any] | None = None
     """The static engine's statistics (data/engine_state.EngineStats), when it ran."""
+    not_answered: int = 0
+    """Conversations a server failed to answer (written open with the turns they have, or
+    not at all): a rerun asks again."""
+    server: dict[str, Any] | None = None
+    """A server's statistics (data/openai_client.ServerStats), with --backend openai."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -149,35 +155,6 @@ class RegenerateReport:
 
 class _TimeUp(Exception):
     """The job's time limit passed: stop at this answer, keep what is answered."""
-
-
-def _generator(
-    model: Any,
-    settings: GenerationSettings,
-    stops: list[int],
-    pad_id: int,
-    batch_size: int,
-    engine: dict[str, Any] | None = None,
-) -> Generator:
-    """The backend named in `settings`: HF batches, the static engine or vLLM."""
-    if settings.backend == "hf":
-        return HFBatchGenerator(model, settings, stops, pad_id, batch_size)
-    if settings.backend == "static":
-        from dflash_trainer.data.engine import StaticBatchEngine
-
-        return StaticBatchEngine(
-            model,
-            settings,
-            stops,
-            pad_id,
-            rows=batch_size,
-            **(engine or {}),
-        )
-    if settings.backend == "vllm":
-        from dflash_trainer.data.vllm_backend import VLLMGenerator
-
-        return VLLMGenerator(model, settings, stops)
-    raise DFlashError(f"unknown backend {settings.backend!r}; use hf, static or vllm")
 
 
 def regenerate(
@@ -201,10 +178,12 @@ def regenerate(
     engine: dict[str, Any] | None = None,
     time_limit: float | None = None,
     stop_loops: bool = False,
+    server: Any = None,
 ) -> RegenerateReport:
     """Regenerate the assistant turns of `conversations` with `model`, appending to `out_path`.
 
-    `model` is an HF causal LM (backends "hf" and "static") or a `vllm.LLM` (backend "vllm").
+    `model` is an HF causal LM (backends "hf" and "static"); backend "openai" asks
+    `server` (openai_backend.ServerOptions) instead and takes no model.
     A conversation's user turns are answered in order (system turn kept, source answers
     discarded); with `max_turns` only the first turns are. A prompt over `max_prompt_tokens`
     ends the conversation there (its first prompt: the record is skipped); so does a turn
@@ -226,7 +205,9 @@ def regenerate(
             "the tokenizer declares no end-of-turn or EOS token: generation could not stop"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    generator = _generator(model, settings, stops, pad_id, batch_size, engine)
+    generator = make_generator(
+        model, settings, stops, pad_id, batch_size, engine, server, tokenizer
+    )
     report = RegenerateReport()
     index = read_output(out, settings)
     if index.duplicates:  # a job that continued conversations stopped before compacting
@@ -252,6 +233,8 @@ def regenerate(
     report.oom_splits = getattr(generator, "oom_splits", 0)
     stats = getattr(generator, "stats", None)
     report.engine = asdict(stats) if stats is not None else None
+    served = getattr(generator, "server_stats", None)
+    report.server = asdict(served) if served is not None else None
     return report
 
 
@@ -370,8 +353,11 @@ class _Job:
             active = []
             for i in range(0, len(ready), chunk):
                 batch = ready[i : i + chunk]
-                outs = self.generator.generate([s.prompt or [] for s in batch])
+                outs = self.generator.generate([self._request(s) for s in batch])
                 for s, new_ids in zip(batch, outs):
+                    if new_ids is None:
+                        self._unanswered(s)
+                        continue
                     self._answer(s, new_ids)
                     if not self._within_budget(s):
                         continue
@@ -395,8 +381,12 @@ class _Job:
         def key(s: _State) -> int:
             return item_key(self.seed, s.conv.id, len(s.finish_reasons))
 
-        def follow(chain: int, new_ids: list[int]) -> tuple[list[int], int] | None:
+        def follow(chain: int, new_ids: list[int] | None) -> tuple[Any, int] | None:
             s = ready[chain]
+            if new_ids is None:
+                self._unanswered(s)
+                self._check_time()
+                return None
             self._answer(s, new_ids)
             self._show_speed()
             nxt = None
@@ -404,11 +394,11 @@ class _Job:
                 if not s.users:
                     self._finish(s)
                 elif self._prompt_fits(s):
-                    nxt = (s.prompt or [], key(s))
+                    nxt = (self._request(s), key(s))
             self._check_time()
             return nxt
 
-        chains([(s.prompt or [], key(s)) for s in ready], follow)
+        chains([(self._request(s), key(s)) for s in ready], follow)
 
     def _show_speed(self) -> None:
         now = time.perf_counter()
@@ -440,6 +430,24 @@ class _Job:
             self.report.skipped_prompt_too_long += 1
             self.bar.update(1)
         return False
+
+    def _request(self, s: _State) -> Any:
+        """What the generator is asked: the rendered prompt's ids, or the messages for a
+        backend that renders the chat itself (a server's chat endpoint)."""
+        if getattr(self.generator, "takes_messages", False):
+            return [*s.messages, {"role": "user", "content": s.users[0]}]
+        return s.prompt or []
+
+    def _unanswered(self, s: _State) -> None:
+        """The backend could not answer s's next turn: the conversation ends here for this
+        job, kept open with the turns it has (a rerun continues it; nothing is written when
+        it has no turn of its own yet)."""
+        self.report.not_answered += 1
+        s.users.clear()
+        if s.finish_reasons and s.resumed_turns != len(s.finish_reasons):
+            self._finish(s, open_turns=True)
+        else:  # nothing new: an earlier record, if any, stands
+            self.bar.update(1)
 
     def _answer(self, s: _State, new_ids: list[int]) -> None:
         content_ids, reason, n = cut_at_stop(new_ids, self.stops, self.stop_loops)

