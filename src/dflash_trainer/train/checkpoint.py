@@ -18,7 +18,8 @@ A resume checks the checksums: a damaged file (a disk that filled up, a bad copy
 makes it fall back to the newest intact checkpoint, saying so, and it refuses only
 when none is intact. Checkpoints written before checksums existed are still loaded;
 for them, a file that does not parse counts as damaged. LATEST is only followed to a
-`step_*` name inside the checkpoint directory.
+`step_*` name inside the checkpoint directory, and a `step_*` that is a symbolic link is
+never loaded, pruned or deleted through (it is not a checkpoint this tool wrote there).
 
 What goes into a checkpoint and back out of it (weights, optimizer, scheduler, RNG,
 data position, counters) is `capture_state` / `restore_state` at the end.
@@ -33,7 +34,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -47,7 +47,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.atomic_dir import atomic_directory, fsync_path, remove_stale
+from dflash_trainer.atomic_dir import MARKER, atomic_directory, fsync_path, remove_stale
 from dflash_trainer.config import Config
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
@@ -178,18 +178,20 @@ class Checkpointer:
         keep_last: int = 3,
         storage_options: dict[str, Any] | None = None,
         log: Callable[[str], None] = _warn,
+        sweep: bool = True,
     ):
+        """sweep: remove what killed saves of this tool left (off for a dry run, which
+        must change nothing on disk it did not create)."""
         self.root = root.rstrip("/")
         self.keep_last = keep_last
         self.log = log
         self.fs, self.path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.fs.makedirs(self.path, exist_ok=True)
-        if self.local:
+        if self.local and sweep:
+            # Only this tool's marked temporaries of dead writers: another program's
+            # `.tmp-*` files, or anything else here, are never touched.
             remove_stale(Path(self.path), log=self.log)
-            for stale in Path(self.path).glob(".tmp-*"):  # the naming of earlier versions
-                shutil.rmtree(stale, ignore_errors=True)
-                self.log(f"removed {stale}, left by an interrupted checkpoint save")
 
     # ------------------------------------------------------------------ saving
 
@@ -229,7 +231,7 @@ class Checkpointer:
         (d / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
         # Checksums of the files as written, then the marker: a checkpoint with
         # COMPLETE always has its checksums.
-        sums = {f.name: _sha256(f) for f in sorted(d.iterdir())}
+        sums = {f.name: _sha256(f) for f in sorted(d.iterdir()) if f.name != MARKER}
         (d / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
         # Durability is the publisher's job, once: atomic_directory fsyncs every file before
         # the rename (local); a remote store gets finished files from this staging copy.
@@ -254,6 +256,8 @@ class Checkpointer:
         except FileNotFoundError:
             return []
         names = sorted(Path(str(e)).name for e in entries if _STEP_NAME.match(Path(str(e)).name))
+        if self.local:
+            names = _without_links(self.path, names, self.log)
         return [n for n in names if self.fs.exists(f"{self.path}/{n}/{COMPLETE}")]
 
     def _prune(self) -> None:
@@ -363,11 +367,35 @@ def existing_checkpoints(root: str, storage_options: dict[str, Any] | None = Non
     return sorted(n for n in names if n == LATEST or _STEP_NAME.match(n))
 
 
-def remove_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the step_* directories and LATEST under `root` (an explicit start-over)."""
+def _without_links(path: str, names: list[str], log: Callable[[str], None]) -> list[str]:
+    """`names` less the symbolic links among them (local disk), each named in `log`.
+
+    This tool writes checkpoints as directories; a link named like one points somewhere
+    else (perhaps another run) and is never loaded, pruned or deleted through.
+    """
+    keep = []
+    for n in names:
+        link = Path(path) / n
+        if link.is_symlink():
+            log(f"{link} is a symbolic link (to {os.readlink(link)}), not a checkpoint this "
+                "tool wrote here: ignored, never loaded or deleted")  # fmt: skip
+        else:
+            keep.append(n)
+    return keep
+
+
+def remove_checkpoints(
+    root: str, storage_options: dict[str, Any] | None = None, log: Callable[[str], None] = _warn
+) -> None:
+    """Delete the step_* directories and LATEST under `root` (an explicit start-over).
+
+    A step_* symbolic link is left as it is, and so is what it points to."""
     fs, path = fsspec.core.url_to_fs(root.rstrip("/"), **(storage_options or {}))
+    names = existing_checkpoints(root, storage_options)
+    if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        names = [n for n in names if n == LATEST or n in _without_links(path, [n], log)]
     # LATEST first: a crash half-way leaves no pointer to a half-deleted checkpoint.
-    for name in sorted(existing_checkpoints(root, storage_options), key=lambda n: n != LATEST):
+    for name in sorted(names, key=lambda n: n != LATEST):
         fs.rm(f"{path}/{name}", recursive=name != LATEST)
 
 

@@ -96,10 +96,22 @@ def run(args: argparse.Namespace) -> int:
         from dflash_trainer.config import replace
 
         run_dir = Path(cfg.run.output_dir) / "dry-run"
-        cfg = replace(cfg, run={"output_dir": str(run_dir)}, training={"max_steps": 1})
+        # Its own scratch directory, checkpoints included: a configured run.checkpoint_dir
+        # is the real run's, which a dry run neither cleans nor writes.
+        cfg = replace(
+            cfg,
+            run={"output_dir": str(run_dir), "checkpoint_dir": None},
+            training={"max_steps": 1},
+        )
     if args.overwrite and args.resume:
         raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
-    trainer = Trainer(cfg, resume=bool(args.resume), argv=sys.argv, overwrite=args.overwrite)
+    trainer = Trainer(
+        cfg,
+        resume=bool(args.resume),
+        argv=sys.argv,
+        overwrite=args.overwrite and not args.dry_run,
+        dry_run=args.dry_run,
+    )
     if args.dry_run:
         st = trainer.train_step()
         n_params = sum(p.numel() for p in trainer.drafter.parameters())

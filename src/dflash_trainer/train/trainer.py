@@ -89,13 +89,17 @@ class Trainer(Stepper):
         log_to_console: bool = True,
         data: TrainData | None = None,
         overwrite: bool = False,
+        dry_run: bool = False,
     ) -> None:
         """Build a run (stages in the module docstring's order).
 
         resume: continue from the newest intact checkpoint. overwrite: start over in a
         run directory that has checkpoints, deleting them; without it that is refused.
+        dry_run: `dflash train --dry-run` (its own scratch run directory, rewritten each
+        time; nothing outside it is cleaned up or deleted).
         """
         self.cfg = cfg
+        self.dry_run = dry_run
         self._build_world(log_to_console, resume, overwrite, argv)
         self._build_target()
         self._build_drafter()
@@ -114,7 +118,7 @@ class Trainer(Stepper):
         self.world = D.init_world(self.cfg.distributed, self.cfg.training.device)
         self.run_dir = Path(self.cfg.run.output_dir)
         self.console = log_to_console and self.world.is_main
-        if not resume:
+        if not resume and not self.dry_run:
             # Before any file of the run is rewritten: a fresh start over checkpoints
             # would silently move LATEST back and repeat metrics rows.
             check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
@@ -206,7 +210,7 @@ class Trainer(Stepper):
         ckpt_root = cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints")
         log = _warn if self.world.is_main else _quiet
         self.checkpointer = Checkpointer(
-            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log=log
+            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log, not self.dry_run
         )
         self.step = 0
         self.micro_steps = 0  # micro-steps drawn (empty steps draw without stepping)
