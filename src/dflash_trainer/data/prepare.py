@@ -45,6 +45,7 @@ from dflash_trainer.data.shards import (
 from dflash_trainer.data.split import split_of
 from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
 from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
+from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
 
 SPLITS = ("train", "eval")
@@ -309,35 +310,37 @@ def prepare_dataset(
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if loop_tails not in LOOP_TAILS:
         raise DFlashError(f"loop_tails must be one of {', '.join(LOOP_TAILS)}, got {loop_tails!r}")
-    t0 = time.perf_counter()
     out = Path(out_dir)
-    remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
-    settings = {
-        "fmt": fmt,
-        "max_records": max_records,
-        "max_tokens": max_tokens,
-        "eval_fraction": eval_fraction,
-        "shard_tokens": shard_tokens,
-    }
-    if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
-        settings["loop_tails"] = loop_tails
-    inp = _inputs(source, tokenizer, template_kwargs, settings)
-    if _reuse(out, inp.fingerprint, overwrite):
+    # One writer per output: a second prepare of the same --out is refused, naming the first.
+    with output_locked(out, "dflash data prepare", f"prepared directory {out}"):
+        t0 = time.perf_counter()
+        remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
+        settings = {
+            "fmt": fmt,
+            "max_records": max_records,
+            "max_tokens": max_tokens,
+            "eval_fraction": eval_fraction,
+            "shard_tokens": shard_tokens,
+        }
+        if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
+            settings["loop_tails"] = loop_tails
+        inp = _inputs(source, tokenizer, template_kwargs, settings)
+        if _reuse(out, inp.fingerprint, overwrite):
+            return out
+        with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
+            loops = LoopTally()
+            report, tally, entries = _write_documents(tmp, inp, batch_size, loops)
+            if report.kept == 0:
+                raise DFlashError(
+                    f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "
+                    "answers first with `dflash data regenerate`)"
+                )
+            manifest = _manifest(inp, report, tally, entries, loops)
+            _write_json(tmp / MANIFEST, manifest)
+            _write_stats(tmp, budget)
+            manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
+            _write_json(tmp / MANIFEST, manifest)
         return out
-    with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
-        loops = LoopTally()
-        report, tally, entries = _write_documents(tmp, inp, batch_size, loops)
-        if report.kept == 0:
-            raise DFlashError(
-                f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "
-                "answers first with `dflash data regenerate`)"
-            )
-        manifest = _manifest(inp, report, tally, entries, loops)
-        _write_json(tmp / MANIFEST, manifest)
-        _write_stats(tmp, budget)
-        manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
-        _write_json(tmp / MANIFEST, manifest)
-    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -75,6 +75,24 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus and "RANK" not in os.environ:
         return _launch_torchrun(args)
     cfg = resolve_config(args)
+    if args.overwrite and args.resume:
+        raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
+    run_dir = Path(cfg.run.output_dir) / ("dry-run" if args.dry_run else "")
+    lock = None
+    if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run directory
+        from dflash_trainer.dir_lock import acquire
+
+        # Before the pre-flight checks spend minutes loading the target: a second
+        # process on the same run directory is refused at once (the trainer re-enters it).
+        lock = acquire(run_dir, "dflash train", f"run directory {run_dir}")
+    try:
+        return _run_locked(args, cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     if not args.resume and not args.dry_run:
         from dflash_trainer.train.run_dir import check_fresh_start
 
@@ -103,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
             run={"output_dir": str(run_dir), "checkpoint_dir": None},
             training={"max_steps": 1},
         )
-    if args.overwrite and args.resume:
-        raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
     trainer = Trainer(
         cfg,
         resume=bool(args.resume),
@@ -113,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
     )
     if args.dry_run:
-        st = trainer.train_step()
+        try:
+            st = trainer.train_step()
+        finally:
+            trainer.release()
         n_params = sum(p.numel() for p in trainer.drafter.parameters())
         print(
             f"dry run OK: target {cfg.target.name_or_path}, drafter {n_params / 1e6:.1f}M params, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,28 +83,46 @@ def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
+RUN_FILES = ("config.yaml", "run_info.json", "metrics.jsonl", "drafter")
+"""What a run leaves in its directory (checkpoints aside): any of them marks it used."""
+
+
 def check_fresh_start(
     cfg: Config, run_dir: Path, overwrite: bool, is_main: bool, log: Callable[[str], None]
 ) -> None:
-    """Refuse a fresh run over one that has checkpoints, unless `overwrite` (then clear them).
+    """Refuse a fresh run in a used run directory, unless `overwrite` (then clear it).
 
-    Starting over silently would move LATEST back to the new run's first checkpoint and
-    interleave two runs' rows in metrics.jsonl.
+    Used: it has checkpoints (in run.checkpoint_dir) or any of RUN_FILES. Starting over
+    silently would move LATEST back to the new run's first checkpoint, interleave two runs'
+    rows in metrics.jsonl and leave the old run's drafter beside the new run's numbers.
+    `overwrite` deletes the checkpoints and the final drafter (metrics.jsonl is cut back to
+    nothing by the trainer, config.yaml and run_info.json are rewritten, keeping history).
     """
     root = cfg.run.checkpoint_dir or str(run_dir / "checkpoints")
     found = existing_checkpoints(root, cfg.run.storage_options)
-    if not found:
+    used = [n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not found and not used:
         return
     if not overwrite:
-        shown = ", ".join(found[-3:])
+        held = used + ([f"checkpoints in {root}: " + ", ".join(found[-3:])] if found else [])
         raise DFlashError(
-            f"run.output_dir={run_dir} already holds a run with checkpoints ({root}: {shown}). "
+            f"run.output_dir={run_dir} already holds a run ({'; '.join(held)}). "
             f"Continue it with `dflash train --resume {run_dir}`, give a new run.output_dir, "
-            "or pass --overwrite to delete its checkpoints and start over"
+            "or pass --overwrite to delete its checkpoints and final drafter and start over"
         )
-    if is_main:
-        remove_checkpoints(root, cfg.run.storage_options)
+    if not is_main:
+        return
+    if found:
+        remove_checkpoints(root, cfg.run.storage_options, log)
         log(f"--overwrite: deleted the checkpoints in {root}; starting over")
+    drafter = run_dir / "drafter"
+    if drafter.exists() or drafter.is_symlink():
+        from dflash_trainer.atomic_dir import check_replaceable
+        from dflash_trainer.formats.drafter_io import DRAFTER_FILES
+
+        check_replaceable(drafter, DRAFTER_FILES.__contains__, "the run's final drafter")
+        shutil.rmtree(drafter)
+        log(f"--overwrite: deleted the previous run's final drafter {drafter}")
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -34,18 +34,13 @@ from dflash_trainer.config import Config
 from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
+from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
-from dflash_trainer.train.checkpoint import (
-    Checkpointer,
-    capture_state,
-    full_states,
-    restore_state,
-    run_meta,
-)
+from dflash_trainer.train.checkpoint import Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
 from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
@@ -54,6 +49,7 @@ from dflash_trainer.train.step import (
     settings_for_spec,
 )
 from dflash_trainer.train.stepping import Stepper, StepStats, TargetPrefetcher
+from dflash_trainer.train.train_state import capture_state, full_states, restore_state, run_meta
 
 
 def _warn(msg: str) -> None:
@@ -100,15 +96,26 @@ class Trainer(Stepper):
         """
         self.cfg = cfg
         self.dry_run = dry_run
-        self._build_world(log_to_console, resume, overwrite, argv)
-        self._build_target()
-        self._build_drafter()
-        self._build_parallelism()
-        self._build_compile()
-        self._build_data(data)
-        self._build_optimizer()
-        self._build_checkpointer(resume)
-        self._build_metrics(resume)
+        self._lock: DirLock | None = None
+        try:
+            self._build_world(log_to_console, resume, overwrite, argv)
+            self._build_target()
+            self._build_drafter()
+            self._build_parallelism()
+            self._build_compile()
+            self._build_data(data)
+            self._build_optimizer()
+            self._build_checkpointer(resume)
+            self._build_metrics(resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the run directory's lock (train() does at its end; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # --------------------------------------------------------------- builders
 
@@ -118,6 +125,10 @@ class Trainer(Stepper):
         self.world = D.init_world(self.cfg.distributed, self.cfg.training.device)
         self.run_dir = Path(self.cfg.run.output_dir)
         self.console = log_to_console and self.world.is_main
+        if self.world.is_main:
+            # One process trains in a run directory: the lock is taken before any file in it
+            # is read or written, and released by train() or a failed build.
+            self._lock = acquire(self.run_dir, "dflash train", f"run directory {self.run_dir}")
         if not resume and not self.dry_run:
             # Before any file of the run is rewritten: a fresh start over checkpoints
             # would silently move LATEST back and repeat metrics rows.
@@ -324,6 +335,7 @@ class Trainer(Stepper):
                 self.prefetch.close()
             bar.close()
             self.metrics.close()
+            self.release()
         return {"step": self.step, "stopped": False, "checkpoint": last_ckpt}
 
     def _loop(self, bar: Any) -> dict[str, Any] | None:
