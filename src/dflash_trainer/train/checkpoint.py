@@ -57,6 +57,8 @@ LATEST = "LATEST"
 COMPLETE = "COMPLETE"
 CHECKSUMS = "checksums.json"
 _STEP_NAME = re.compile(r"^step_[0-9]{8,}$")
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+"""A file name in checksums.json: no directory part, so no path out of the checkpoint."""
 
 
 @dataclass
@@ -82,6 +84,12 @@ class CheckpointData:
     rng_tensors: dict[str, torch.Tensor]
     passed_over: list[str] = field(default_factory=list)
     """Newer checkpoints skipped as damaged, with the reason (empty: the latest loaded)."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    """spec.json: the drafter's geometry."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """meta.json: what trained it (config sections, prepared data; train_state.run_meta)."""
+    verified: bool = True
+    """False: it has no checksums.json (written before checksums existed)."""
 
 
 def _warn(msg: str) -> None:
@@ -96,18 +104,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _damaged_files(d: Path) -> list[str]:
+def _damaged_files(d: Path) -> list[str] | None:
     """Files of checkpoint directory `d` whose sha256 differs from checksums.json.
 
-    [] when all match, or when the checkpoint predates checksums (no checksums.json).
+    [] when all match; None when the checkpoint has no checksums.json (older code wrote
+    none): its files cannot be verified.
     """
     manifest = d / CHECKSUMS
-    if not manifest.is_file():
-        return []
+    if not manifest.exists():
+        return None
     try:
-        sums = json.loads(manifest.read_text())["sha256"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        sums = json.loads(manifest.read_bytes()[: 1 << 20])["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
         return [f"{CHECKSUMS} (unreadable)"]
+    if not isinstance(sums, dict) or not all(
+        _PLAIN_NAME.match(str(k)) and isinstance(v, str) for k, v in sums.items()
+    ):
+        return [f"{CHECKSUMS} (not a map of this directory's file names to sha256 sums)"]
     bad = []
     for fname, want in sorted(sums.items()):
         f = d / fname
@@ -119,16 +132,46 @@ def _damaged_files(d: Path) -> list[str]:
 
 
 def _read_files(d: Path, name: str, location: str) -> CheckpointData:
-    from dflash_trainer.formats.drafter_io import WEIGHTS_FILE
+    from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, WEIGHTS_FILE
 
     drafter_state = load_file(str(d / WEIGHTS_FILE))
     opt = unflatten_optimizer(
         load_file(str(d / "optimizer.safetensors")),
         json.loads((d / "optimizer.json").read_text()),
     )
-    trainer_state = json.loads((d / "trainer_state.json").read_text())
+    trainer_state = _checked_trainer_state(json.loads((d / "trainer_state.json").read_text()))
     rng = load_file(str(d / "trainer_state.safetensors"))
-    return CheckpointData(name, location, drafter_state, opt, trainer_state, rng)
+    spec = json.loads((d / SPEC_FILE).read_text()) if (d / SPEC_FILE).is_file() else {}
+    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
+    if not isinstance(spec, dict) or not isinstance(meta, dict):
+        raise ValueError(f"{SPEC_FILE} or {META_FILE} is not a JSON object")
+    return CheckpointData(
+        name, location, drafter_state, opt, trainer_state, rng, spec=spec, meta=meta
+    )
+
+
+_COUNTERS = (
+    *("bad_steps", "skipped_total", "truncated_total", "tokens_seen"),
+    *("micro_steps", "world_size", "total_steps"),
+)
+
+
+def _checked_trainer_state(ts: Any) -> dict[str, Any]:
+    """trainer_state.json, its fields of the right type (a ValueError names the first wrong
+    one: the checkpoint counts as damaged). `step` and `position` are in every checkpoint;
+    the trainer's counters are checked where present (restore_state requires them)."""
+    if not isinstance(ts, dict):
+        raise ValueError("trainer_state.json is not a JSON object")
+    for key in ("step", *(k for k in _COUNTERS if k in ts)):
+        value = ts.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"trainer_state.json: {key} is {value!r:.40}, not a count")
+    pos = ts.get("position")
+    if not isinstance(pos, dict) or not all(isinstance(pos.get(k), int) for k in ("epoch", "step")):
+        raise ValueError(f"trainer_state.json: position is {pos!r:.80}")
+    if "scheduler" in ts and not isinstance(ts["scheduler"], dict):
+        raise ValueError("trainer_state.json: scheduler is not a JSON object")
+    return ts
 
 
 class Checkpointer:
@@ -148,6 +191,14 @@ class Checkpointer:
         self.fs, self.path = fsspec.core.url_to_fs(self.root, **(storage_options or {}))
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.fs.makedirs(self.path, exist_ok=True)
+        if self.local:
+            for fixed in (LATEST, f".{LATEST}.tmp"):
+                where = Path(self.path) / fixed
+                if where.exists() and not where.is_file():
+                    raise DFlashError(
+                        f"{where} is not a file (a {LATEST} pointer is written there); move "
+                        "it away, or give another run.checkpoint_dir"
+                    )
         if self.local and sweep:
             # Only this tool's marked temporaries of dead writers: another program's
             # `.tmp-*` files, or anything else here, are never touched.
@@ -239,14 +290,22 @@ class Checkpointer:
         p = f"{self.path}/{LATEST}"
         if not self.fs.exists(p):
             return None
-        with self.fs.open(p, "r") as f:
-            name = str(f.read()).strip()
+        try:
+            with self.fs.open(p, "rb") as f:
+                raw = f.read(256)  # a name is ~13 bytes: never read a huge file whole
+            name = raw.decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            self.log(
+                f"{self.root}/{LATEST} is unreadable ({type(e).__name__}); ignoring it and "
+                "using the newest complete step_* directory (the next save rewrites it)"
+            )
+            return None
         if not name:
             return None
         if not _STEP_NAME.match(name):
             self.log(
-                f"{self.root}/{LATEST} names {name!r}, not a step_XXXXXXXX checkpoint of this "
-                "directory; ignoring it and using the newest complete step_* directory"
+                f"{self.root}/{LATEST} names {name[:64]!r}, not a step_XXXXXXXX checkpoint of "
+                "this directory; ignoring it and using the newest complete step_* directory"
             )
             return None
         return name
@@ -309,10 +368,18 @@ class Checkpointer:
             if bad:
                 return None, ", ".join(bad)
             try:
-                return _read_files(local, name, f"{self.root}/{name}"), ""
+                data = _read_files(local, name, f"{self.root}/{name}")
             except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
                 # A checkpoint without checksums (older code): a file that does not parse.
                 return None, f"unreadable ({type(e).__name__}: {e})"
+            if bad is None:
+                data.verified = False
+                self.log(
+                    f"{self.root}/{name} has no {CHECKSUMS}: its weights and state are "
+                    "unverified (they parse, but damage that keeps them parseable would go "
+                    "unnoticed); the next checkpoint saved will have checksums"
+                )
+            return data, ""
 
 
 def existing_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start over in a run directory that has checkpoints, deleting them "
         "(without it, that is refused: use --resume to continue)",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though the config changes what the run trains "
+        "(target layers, block size, seed, data, token budget, accumulation, loss, ...); "
+        "the changes are listed and recorded in run_info.json",
+    )
     p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
     p.add_argument(
         "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
@@ -127,6 +134,7 @@ def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
         argv=sys.argv,
         overwrite=args.overwrite and not args.dry_run,
         dry_run=args.dry_run,
+        allow_config_change=args.allow_config_change,
     )
     if args.dry_run:
         try:

@@ -61,6 +61,7 @@ def run_meta(tr: Trainer) -> dict[str, Any]:
     return {
         "step": tr.step,
         "target": config_to_dict(tr.cfg.target),
+        "drafter": config_to_dict(tr.cfg.drafter),
         "training": config_to_dict(tr.cfg.training),
         "data": config_to_dict(tr.cfg.data),
         "prepared": prepared_meta(getattr(tr.data.train, "manifest", None) if tr.data else None),
@@ -75,6 +76,7 @@ def prepared_meta(manifest: Any) -> dict[str, Any] | None:
         return None
     train = manifest.get("splits", {}).get("train", {})
     return {
+        "fingerprint": manifest.get("fingerprint"),
         "settings": manifest.get("settings"),
         "loop_tails": manifest.get("loop_tails"),
         "train": {k: train.get(k) for k in ("documents", "tokens", "supervised_tokens")},
@@ -125,9 +127,18 @@ def capture_state(
     )
 
 
+_RESTORED = ("scheduler", "bad_steps", "skipped_total", "truncated_total", "tokens_seen")
+
+
 def restore_state(tr: Trainer, data: CheckpointData) -> None:
     """Put a loaded checkpoint back into `tr` (the inverse of capture_state)."""
     ts = data.trainer_state
+    lacking = [k for k in _RESTORED if k not in ts]
+    if lacking:
+        raise DFlashError(
+            f"{data.location}/trainer_state.json lacks {', '.join(lacking)}: it was not "
+            "written by this trainer; resume from another checkpoint (step_XXXXXXXX)"
+        )
     if ts.get("world_size", 1) != tr.world.world_size:
         raise DFlashError(
             f"{data.location} was written by a run with {ts['world_size']} ranks; this run "
@@ -146,8 +157,14 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
         set_model_state_dict(tr.model, full, options=opts)
         set_optimizer_state_dict(tr.model, tr.optimizer, data.optimizer_state, options=opts)
     else:
-        tr.drafter.load_state_dict(data.drafter_state)
-        tr.optimizer.load_state_dict(data.optimizer_state)
+        try:
+            tr.drafter.load_state_dict(data.drafter_state)
+            tr.optimizer.load_state_dict(data.optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise DFlashError(
+                f"{data.location}: its weights or optimizer state do not fit this run's "
+                f"drafter ({str(e)[:300]}); resume with the config that wrote it"
+            ) from e
     tr.scheduler.load_state_dict(ts["scheduler"])
     tr.step = ts["step"]
     # Older checkpoints: no step was ever skipped as empty, so micro-steps = steps x accum.

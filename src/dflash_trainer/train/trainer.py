@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config
-from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.drafter import DFlashDrafter
-from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
+from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
@@ -42,8 +41,10 @@ from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.checkpoint import Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
+from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm
 from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
+from dflash_trainer.train.resume_check import Change, check_checkpoint, check_saved_config
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (
     settings_for_spec,
@@ -86,16 +87,20 @@ class Trainer(Stepper):
         data: TrainData | None = None,
         overwrite: bool = False,
         dry_run: bool = False,
+        allow_config_change: bool = False,
     ) -> None:
         """Build a run (stages in the module docstring's order).
 
         resume: continue from the newest intact checkpoint. overwrite: start over in a
         run directory that has checkpoints, deleting them; without it that is refused.
         dry_run: `dflash train --dry-run` (its own scratch run directory, rewritten each
-        time; nothing outside it is cleaned up or deleted).
+        time; nothing outside it is cleaned up or deleted). allow_config_change: resume
+        even if the config changes what the run trains (train/resume_check.py).
         """
         self.cfg = cfg
         self.dry_run = dry_run
+        self.allow_config_change = allow_config_change
+        self._config_changes: list[Change] = []
         self._lock: DirLock | None = None
         try:
             self._build_world(log_to_console, resume, overwrite, argv)
@@ -133,8 +138,13 @@ class Trainer(Stepper):
             # Before any file of the run is rewritten: a fresh start over checkpoints
             # would silently move LATEST back and repeat metrics rows.
             check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
+        if resume:  # before the target loads: a changed run is refused at once
+            self._config_changes = check_saved_config(
+                self.run_dir, self.cfg, self.allow_config_change, self._warn
+            )
         if self.world.is_main:
-            write_run_files(self.run_dir, self.cfg, argv)
+            changes = [c.to_dict() for c in self._config_changes]
+            write_run_files(self.run_dir, self.cfg, argv, _warn, changes)
 
     def _build_target(self) -> None:
         # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
@@ -155,9 +165,9 @@ class Trainer(Stepper):
         torch.manual_seed(t.seed)
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
         if self.cfg.drafter.init_from:
-            self._init_drafter_from(self.cfg.drafter.init_from)
+            init_drafter_from(self.drafter, self.spec, self.cfg.drafter.init_from, self._log)
         else:
-            self._init_output_norm()
+            init_output_norm(self.drafter, self.target.lm_head_weight)
         self.drafter.to(self.world.drafter_device).train()
 
     def _build_parallelism(self) -> None:
@@ -232,13 +242,16 @@ class Trainer(Stepper):
         self.tokens_seen = 0
         if resume:
             data = self.checkpointer.load()
+            check_checkpoint(self, data)  # what trained it, beside this run's config
             restore_state(self, data)
             self._log(f"resumed from {data.location} at step {self.step}")
 
     def _build_metrics(self, resume: bool) -> None:
         self.metrics = MetricsLog(self.run_dir, enabled=self.world.is_main)
         # Rows past the resumed step are redone; a fresh start redoes them all.
-        self.metrics.truncate_after(self.step if resume else 0)
+        damaged = self.metrics.truncate_after(self.step if resume else 0)
+        if damaged:
+            self._warn(f"{self.metrics.path}: dropped {damaged} damaged row(s) (not JSON rows)")
         self._stop_signal: int | None = None
         # The step function: the fast step (fixed shapes, graphs) or the Stepper's own.
         self.fast, why = build_fast_step(self)
@@ -250,53 +263,10 @@ class Trainer(Stepper):
         if self.console:
             print(f"[dflash] {msg}", flush=True)
 
-    def _init_output_norm(self) -> None:
-        """Scale the drafter's final norm so its first logits have unit spread.
-
-        Logits are the target's lm_head applied to norm(h). With a unit norm weight the
-        random first outputs come out as confident as the lm_head's scale allows (SmolLM2:
-        initial CE ~23 against ~11 for uniform), and the first steps are spent only
-        shrinking that scale. With weight c = 1 / (std(lm_head) * sqrt(H)) a random
-        direction gives logits of std ~1: the loss starts near log(V).
-        """
-        w = self.target.lm_head_weight.float()
-        c = 1.0 / (float(w.std()) * math.sqrt(w.shape[1]))
-        with torch.no_grad():
-            self.drafter.norm.weight.fill_(c)
-
-    def _init_drafter_from(self, path: str) -> None:
-        from dflash_trainer.formats.drafter_io import load_drafter
-
-        try:
-            spec, state, _ = load_drafter(path)
-        except DFlashError:
-            from dflash_trainer.formats.export import import_drafter
-
-            spec, state, _ = import_drafter(path)
-        diffs = init_differences(spec, self.spec)
-        if diffs:
-            raise DFlashError(
-                f"drafter.init_from={path}: its geometry differs from this config's: {diffs}; "
-                "make the drafter section match the imported drafter"
-            )
-        missing, unexpected = self.drafter.load_state_dict(
-            {k: v.float() for k, v in state.items()}, strict=False
-        )
-        # Only a DFlash backbone starting a DFlash2 run may lack tensors: the convolutions
-        # and the selector, which then keep their no-op initialisation.
-        new_modules = spec.kind == "dflash" and self.spec.is_dflash2
-        lacking = [k for k in missing if not (new_modules and is_dflash2_tensor(k))]
-        if lacking or unexpected:
-            raise DFlashError(
-                f"drafter.init_from={path}: weights do not match this drafter (missing "
-                f"{lacking[:5]}, unexpected {unexpected[:5]})"
-            )
-        if new_modules:
-            self._log(
-                "DFlash2 modules (convolutions, selector) start as no-ops on the DFlash "
-                "backbone: the drafter drafts exactly as it did until its first step"
-            )
-        self._log(f"drafter initialised from {path}")
+    def _warn(self, msg: str) -> None:
+        """On stderr, from rank 0 alone, whatever log_to_console says."""
+        if self.world.is_main:
+            _warn(msg)
 
     # ------------------------------------------------------------------- loop
 
