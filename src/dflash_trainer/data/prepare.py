@@ -45,6 +45,7 @@ from dflash_trainer.data.shards import (
 from dflash_trainer.data.split import split_of
 from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
 from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
+from dflash_trainer.data.tokenizer_check import serialized_sha256, vocab_ids_sha256
 from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
 
@@ -72,12 +73,10 @@ def _source_identity(resolved: Path | HFDataset) -> dict[str, Any]:
 
 
 def _tokenizer_identity(tokenizer: Any, chat: ChatTemplate) -> dict[str, Any]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab())
     return {
         "name": str(tokenizer.name_or_path),
         "vocab_size": len(tokenizer),
-        "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+        "vocab_sha256": serialized_sha256(tokenizer),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
         "template_kwargs": chat.template_kwargs,
         "end_of_turn_id": chat.end_of_turn_id,
@@ -266,7 +265,10 @@ def _manifest(
         "fingerprint": inp.fingerprint,
         "created_unix": int(time.time()),
         "source": {"spec": str(inp.source), "resolved": str(resolved), **inp.source_id},
-        "tokenizer": {"spec": inp.tokenizer_spec} | inp.tok_id,
+        # vocab_ids_sha256 is outside the fingerprint: directories prepared before it reuse.
+        "tokenizer": {"spec": inp.tokenizer_spec}
+        | inp.tok_id
+        | {"vocab_ids_sha256": vocab_ids_sha256(inp.tok)},
         "settings": inp.settings,
         "read_report": report.to_dict(),
         "sources": tally.to_dict(),
@@ -338,6 +340,9 @@ def prepare_dataset(
             manifest = _manifest(inp, report, tally, entries, loops)
             _write_json(tmp / MANIFEST, manifest)
             _write_stats(tmp, budget)
+            for split in SPLITS:  # what the trainer checks against its target's vocabulary
+                ids = PreparedDataset(tmp, split).token_id_range()
+                manifest["splits"][split]["token_ids"] = list(ids)
             manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
             _write_json(tmp / MANIFEST, manifest)
         return out

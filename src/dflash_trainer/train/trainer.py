@@ -33,6 +33,7 @@ import torch
 from dflash_trainer.config import Config
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import resolve_drafter_spec
+from dflash_trainer.data.tokenizer_check import check_train_data
 from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
@@ -208,6 +209,7 @@ class Trainer(Stepper):
     def _build_data(self, data: TrainData | None) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.data = data or load_train_data(cfg, self.run_dir, self.world.is_main)
+        check_train_data(self.data, cfg.target, self.spec.vocab_size, self._warn)
         self.batcher = TokenBudgetBatcher(
             self.data.train.lengths,
             cfg.data.token_budget,
