@@ -69,7 +69,7 @@ def write_run_files(
     cfg: Config,
     argv: list[str] | None,
     log: Callable[[str], None] = print,
-    changes: list[dict[str, Any]] | None = None,
+    changes: list[Any] | None = None,
 ) -> None:
     """config.yaml (this start's resolved config) and run_info.json (this start's provenance,
     earlier starts in `history`, and `config_changes` a resume was allowed to make).
@@ -91,8 +91,8 @@ def write_run_files(
         info["history"] = [*earlier, {k: v for k, v in old.items() if k != "history"}]
     else:
         info["history"] = []
-    if changes:
-        info["config_changes"] = changes
+    if changes:  # resume_check.Change objects
+        info["config_changes"] = [c.to_dict() for c in changes]
     _write_atomic(run_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
 
 

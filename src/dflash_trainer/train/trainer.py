@@ -132,8 +132,7 @@ class Trainer(Stepper):
         self.run_dir = Path(self.cfg.run.output_dir)
         self.console = log_to_console and self.world.is_main
         if self.world.is_main:
-            # One process trains in a run directory: the lock is taken before any file in it
-            # is read or written, and released by train() or a failed build.
+            # Before any file of the run is read or written; released by train() or a failure.
             self._lock = acquire(self.run_dir, "dflash train", f"run directory {self.run_dir}")
         if not resume and not self.dry_run:
             # Before any file of the run is rewritten: a fresh start over checkpoints
@@ -144,8 +143,7 @@ class Trainer(Stepper):
                 self.run_dir, self.cfg, self.allow_config_change, self._warn
             )
         if self.world.is_main:
-            changes = [c.to_dict() for c in self._config_changes]
-            write_run_files(self.run_dir, self.cfg, argv, _warn, changes)
+            write_run_files(self.run_dir, self.cfg, argv, _warn, self._config_changes)
 
     def _build_target(self) -> None:
         # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
