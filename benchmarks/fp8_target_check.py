@@ -124,9 +124,8 @@ def stage_target(args: argparse.Namespace) -> str:
     if (out / "config.json").is_file():
         return str(out)
     from dflash_trainer.config import TargetConfig
-    from dflash_trainer.data.loading import load_tokenizer
+    from dflash_trainer.data.loading import load_tokenizer, tokenizer_spec
     from dflash_trainer.target.model import load_target_model
-    from dflash_trainer.train.dataset import tokenizer_spec
 
     tcfg = TargetConfig(name_or_path=args.target, dtype="bfloat16")
     model = load_target_model(tcfg, "cpu")

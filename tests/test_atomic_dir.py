@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from test_data_support import sharegpt, tiny_tokenizer, write_jsonl
 
 from dflash_trainer.atomic_dir import (
+    MARKER,
     atomic_directory,
     check_replaceable,
     remove_stale,
@@ -67,17 +69,24 @@ def _named(parent: Path, name: str, pid: int, kind: str = "tmp") -> Path:
     return parent / f"{temp_name(name, kind).rsplit('-', 1)[0]}-{pid}"
 
 
+def _leftover(parent: Path, name: str, pid: int, kind: str = "tmp") -> Path:
+    """What a killed writer `pid` of this tool on this host leaves: the directory and its
+    marker (as `atomic_directory` writes it)."""
+    d = _named(parent, name, pid, kind)
+    d.mkdir()
+    host = d.name.rsplit("-", 2)[1]
+    (d / MARKER).write_text(json.dumps({"tool": "dflash-trainer", "host": host, "pid": pid}))
+    return d
+
+
 def test_stale_temps_are_removed_and_reported_live_and_foreign_ones_kept(
     tmp_path: Path,
 ) -> None:
     dead_pid = _dead_pid()
-    dead = _named(tmp_path, "out", dead_pid)
-    dead.mkdir()
+    dead = _leftover(tmp_path, "out", dead_pid)
     (dead / "half.bin").write_bytes(b"x")
-    old = _named(tmp_path, "out", dead_pid, "old")
-    old.mkdir()
-    other_name = _named(tmp_path, "other", dead_pid)
-    other_name.mkdir()
+    old = _leftover(tmp_path, "out", dead_pid, "old")
+    other_name = _leftover(tmp_path, "other", dead_pid)
     lookalike_file = _named(tmp_path, "file", dead_pid)
     lookalike_file.write_text("a file, not a directory: not ours")
     foreign = tmp_path / ".out.tmp-othernode-12345"
@@ -175,8 +184,7 @@ def test_a_dead_writers_temp_is_removed_even_when_the_output_is_reused(
     rows = [sharegpt(("human", f"q {i}"), ("gpt", f"a {i}")) for i in range(5)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = prepare_dataset(src, tiny_tokenizer(), tmp_path / "prep")
-    stale = _named(tmp_path, "prep", _dead_pid())
-    stale.mkdir()
+    stale = _leftover(tmp_path, "prep", _dead_pid())
     mtime = (out / "manifest.json").stat().st_mtime_ns
     capfd.readouterr()
     assert prepare_dataset(src, tiny_tokenizer(), out) == out
@@ -188,8 +196,8 @@ def test_our_own_pid_in_a_leftover_name_is_stale_unless_we_are_writing_it(
     tmp_path: Path,
 ) -> None:
     """After a restart (a container) a new process may get the killed one's id."""
-    leftover = tmp_path / temp_name("out")
-    leftover.mkdir()
+    leftover = _leftover(tmp_path, "out", os.getpid())
+    assert leftover.name == temp_name("out")
     said: list[str] = []
     assert remove_stale(tmp_path, "out", log=said.append) == [leftover]
     with atomic_directory(tmp_path / "out", log=said.append) as tmp:
@@ -231,3 +239,44 @@ def test_fsync_path_raises_for_a_file_and_tolerates_a_directory(tmp_path: Path) 
     fsync_path(tmp_path)
     with pytest.raises(FileNotFoundError):
         fsync_path(tmp_path / "gone.bin")
+
+
+def test_only_marked_temporaries_of_this_tool_are_ever_removed(tmp_path: Path) -> None:
+    """Named like ours is not enough: another program's `.x.tmp-host-pid`, a copy, a marker
+    naming another writer or a link to elsewhere are all kept, and named."""
+    dead_pid = _dead_pid()
+    unmarked = _named(tmp_path, "out", dead_pid)
+    unmarked.mkdir()
+    (unmarked / "theirs.bin").write_bytes(b"x")
+    wrong = _named(tmp_path, "two", dead_pid)
+    wrong.mkdir()
+    (wrong / MARKER).write_text(json.dumps({"tool": "dflash-trainer", "host": "h", "pid": 1}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / MARKER).write_text("{}")
+    link = _named(tmp_path, "three", dead_pid)
+    link.symlink_to(elsewhere)
+    foreign = [tmp_path / ".tmp-x", tmp_path / ".cache.tmp-editor"]
+    for f in foreign:
+        f.mkdir()
+    said: list[str] = []
+    assert remove_stale(tmp_path, log=said.append) == []
+    for p in (unmarked, wrong, link, elsewhere, *foreign):
+        assert p.exists(), p
+    assert (unmarked / "theirs.bin").exists()
+    assert any(f"left {unmarked} alone" in s and "marker" in s for s in said), said
+    # A look-alike in the way of a write is an error, not a deletion.
+    (tmp_path / temp_name("out")).mkdir()
+    with (
+        pytest.raises(DFlashError, match="not known to be a temporary directory"),
+        atomic_directory(tmp_path / "out"),
+    ):
+        pass
+    assert (tmp_path / temp_name("out")).is_dir() and not (tmp_path / "out").exists()
+
+
+def test_outputs_never_hold_the_marker(tmp_path: Path) -> None:
+    with atomic_directory(tmp_path / "out") as tmp:
+        assert (tmp / MARKER).is_file()
+        (tmp / "a").write_text("1")
+    assert os.listdir(tmp_path / "out") == ["a"]

@@ -140,7 +140,7 @@ def test_an_unknown_mode_is_refused(tmp_path: Path) -> None:
 
 
 def test_run_meta_records_how_the_training_set_was_prepared(tmp_path: Path) -> None:
-    from dflash_trainer.train.checkpoint import prepared_meta
+    from dflash_trainer.train.train_state import prepared_meta
 
     src = write_jsonl(tmp_path / "in.jsonl", _records())
     out = prepare_dataset(src, smollm2_tokenizer(), tmp_path / "m", loop_tails="mask")

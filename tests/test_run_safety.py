@@ -171,3 +171,32 @@ def test_data_that_supervises_nothing_stops_with_a_clear_error(tmp_path):
     cfg = tiny_config(tmp_path, data={"train": str(data)}, training={"max_steps": 4})
     with pytest.raises(DFlashError, match="supervise nothing"):
         Trainer(cfg, log_to_console=False).train()
+
+
+def test_a_fresh_run_refuses_any_used_run_directory(finished_run, tmp_path):
+    """Not only one with checkpoints: metrics, the final drafter or the config mark it used
+    (here the checkpoints are gone, or live in another run.checkpoint_dir)."""
+    cfg = _copy(finished_run, tmp_path)
+    run = Path(cfg.run.output_dir)
+    shutil.rmtree(run / "checkpoints")
+    elsewhere = replace(cfg, run={"checkpoint_dir": str(tmp_path / "other-ck")})
+    for again in (cfg, elsewhere):
+        with pytest.raises(DFlashError) as e:
+            Trainer(again, log_to_console=False)
+        for name in ("config.yaml", "metrics.jsonl", "drafter", "--resume", "--overwrite"):
+            assert name in str(e.value), e.value
+    only_config = tmp_path / "only-config"
+    only_config.mkdir()
+    shutil.copy(run / "config.yaml", only_config)
+    with pytest.raises(DFlashError, match=r"already holds a run \(config\.yaml\)"):
+        Trainer(replace(cfg, run={"output_dir": str(only_config)}), log_to_console=False)
+    # --overwrite deletes the old final drafter, but only a drafter this tool wrote.
+    (run / "drafter" / "notes.txt").write_text("mine")
+    with pytest.raises(DFlashError, match=r"notes\.txt"):
+        Trainer(cfg, log_to_console=False, overwrite=True)
+    assert (run / "drafter" / "notes.txt").read_text() == "mine"
+    (run / "drafter" / "notes.txt").unlink()
+    tr = Trainer(replace(cfg, training={"max_steps": 1}), log_to_console=False, overwrite=True)
+    assert not (run / "drafter").exists()
+    tr.train()
+    assert _steps(run) == [1] and (run / "drafter").is_dir()

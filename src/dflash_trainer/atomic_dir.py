@@ -8,15 +8,20 @@ the previous complete directory or the new complete one, never a half-written on
 writer is killed with SIGKILL or the machine loses power.
 
 A killed writer cannot clean up after itself, so its temporary directory stays. The name says
-whose it is: `remove_stale` (called on entry, and by the checkpointer for its whole directory)
-removes those whose process is gone on this host, saying so, and leaves alone, saying so, those
-of another host (a shared file system: that process may still be writing). A process id that a
-new process reuses after a restart is also taken as gone unless this process is writing that
-directory right now.
+whose it is, and a marker file inside (`MARKER`, naming the tool, the host and the process) says
+that this tool made it: `remove_stale` (called on entry, and by the checkpointer for its whole
+directory) removes those whose process is gone on this host, saying so, and leaves alone,
+saying so, those of another host (a shared file system: that process may still be writing). A
+process id that a new process reuses after a restart is also taken as gone unless this process
+is writing that directory right now. A directory with a name like ours but no matching marker
+(another program's, or one copied by hand) is never deleted: it is named, and left to the user.
+The marker is taken out of the temporary directory just before it is published, so outputs never
+hold it; a `.old-` directory gets one as soon as it has been moved aside.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,6 +37,9 @@ Log = Callable[[str], None]
 
 # `.<name>.tmp-<host>-<pid>` or `.<name>.old-<host>-<pid>`; the host has no `-` (see _host).
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$")
+MARKER = ".dflash-temp.json"
+"""Inside every temporary directory this tool makes: {"tool", "host", "pid"} of its writer."""
+_TOOL = "dflash-trainer"
 _ACTIVE: set[Path] = set()
 """The temporary directories this process is writing now (never stale, whatever the pid)."""
 
@@ -49,6 +57,22 @@ def temp_name(name: str, kind: str = "tmp") -> str:
     return f".{name}.{kind}-{_host()}-{os.getpid()}"
 
 
+def _write_marker(d: Path) -> None:
+    (d / MARKER).write_text(json.dumps({"tool": _TOOL, "host": _host(), "pid": os.getpid()}))
+
+
+def _marked(d: Path, host: str, pid: int) -> bool:
+    """Whether `d` holds this tool's marker naming the writer its directory name names."""
+    marker = d / MARKER
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 4096:
+            return False
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data == {"tool": _TOOL, "host": host, "pid": pid}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -64,7 +88,8 @@ def _alive(pid: int) -> bool:
 def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> list[Path]:
     """Remove the temporary directories of writers that were killed (of `name`, or any name).
 
-    Returns the removed paths. Only directories named by `temp_name` are considered.
+    Returns the removed paths. Only directories named by `temp_name` and holding this tool's
+    marker (naming the same host and process) are removed; a look-alike is named and kept.
     """
     removed: list[Path] = []
     try:
@@ -85,6 +110,11 @@ def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> l
             continue
         if pid != os.getpid() and _alive(pid):
             continue  # another writer on this host, at work right now
+        if not _marked(path, m["host"], pid):
+            log(f"left {path} alone: named like a temporary directory of this tool but without "
+                f"its marker ({MARKER}), so not known to be one; delete it yourself if it is "
+                "not needed")  # fmt: skip
+            continue
         shutil.rmtree(path, ignore_errors=True)
         what = "an interrupted write" if m["kind"] == "tmp" else "an interrupted replacement"
         log(f"removed {path}, left by {what} (process {pid} is gone)")
@@ -161,14 +191,19 @@ def atomic_directory(
     tmp = parent / temp_name(final.name)
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # this process was killed under the same pid and restarted
-            shutil.rmtree(tmp)
+        if tmp.exists() or tmp.is_symlink():  # kept by remove_stale: not known to be ours
+            raise DFlashError(
+                f"{tmp} is in the way of writing {final} and is not known to be a temporary "
+                "directory of this tool (no marker); move it away or delete it"
+            )
         tmp.mkdir()
+        _write_marker(tmp)
     except OSError as e:
         raise DFlashError(f"cannot create {tmp} to write {final}: {e.strerror or e}") from e
     _ACTIVE.add(tmp)
     try:
         yield tmp
+        (tmp / MARKER).unlink()  # published outputs never hold it
         fsync_tree(tmp)
         _publish(tmp, final, replace)
     finally:
@@ -185,6 +220,8 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
         old = final.parent / temp_name(final.name, "old")
         _ACTIVE.add(old)
         os.replace(final, old)  # a symbolic link is moved as a link: its target stays
+        if not old.is_symlink():
+            _write_marker(old)  # a kill from here on leaves it to remove_stale
     try:
         os.replace(tmp, final)
     except OSError:

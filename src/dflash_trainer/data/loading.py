@@ -19,6 +19,13 @@ from dflash_trainer.data.jsonio import HFDataset, require_datasets
 from dflash_trainer.errors import DFlashError
 
 
+def tokenizer_spec(tcfg: Any) -> str:
+    """A target config's tokenizer in this module's spec syntax (`DIR::FILE.gguf` for GGUF)."""
+    if tcfg.gguf_file:
+        return f"{tcfg.name_or_path}::{tcfg.gguf_file}"
+    return str(tcfg.name_or_path)
+
+
 def split_spec(spec: str | Path) -> tuple[str, str | None]:
     """(directory or hub id, gguf file name or None)."""
     text = str(spec)

@@ -45,6 +45,8 @@ from dflash_trainer.data.shards import (
 from dflash_trainer.data.split import split_of
 from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
 from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
+from dflash_trainer.data.tokenizer_check import serialized_sha256, vocab_ids_sha256
+from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
 
 SPLITS = ("train", "eval")
@@ -73,12 +75,10 @@ def _source_identity(resolved: Path | HFDataset) -> dict[str, Any]:
 
 
 def _tokenizer_identity(tokenizer: Any, chat: ChatTemplate) -> dict[str, Any]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab())
     return {
         "name": str(tokenizer.name_or_path),
         "vocab_size": len(tokenizer),
-        "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+        "vocab_sha256": serialized_sha256(tokenizer),
         "chat_template_sha256": hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
         "template_kwargs": chat.template_kwargs,
         "end_of_turn_id": chat.end_of_turn_id,
@@ -315,7 +315,10 @@ def _manifest(
         "fingerprint": inp.fingerprint,
         "created_unix": int(time.time()),
         "source": {"spec": str(inp.source), "resolved": str(resolved), **inp.source_id},
-        "tokenizer": {"spec": inp.tokenizer_spec} | inp.tok_id,
+        # vocab_ids_sha256 is outside the fingerprint: directories prepared before it reuse.
+        "tokenizer": {"spec": inp.tokenizer_spec}
+        | inp.tok_id
+        | {"vocab_ids_sha256": vocab_ids_sha256(inp.tok)},
         "settings": inp.settings,
         "read_report": report.to_dict(),
         "sources": tally.to_dict(),
@@ -361,39 +364,44 @@ def prepare_dataset(
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if loop_tails not in LOOP_TAILS:
         raise DFlashError(f"loop_tails must be one of {', '.join(LOOP_TAILS)}, got {loop_tails!r}")
-    t0 = time.perf_counter()
     out = Path(out_dir)
-    remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
-    settings: dict[str, Any] = {
-        "fmt": fmt,
-        "max_records": max_records,
-        "max_tokens": max_tokens,
-        "eval_fraction": eval_fraction,
-        "shard_tokens": shard_tokens,
-    }
-    if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
-        settings["loop_tails"] = loop_tails
-    exclude = frozenset(exclude_ids or ())
-    if exclude:  # likewise absent without exclusion
-        digest = hashlib.sha256("\n".join(sorted(exclude)).encode("utf-8")).hexdigest()
-        settings["exclude_ids"] = {"count": len(exclude), "sha256": digest}
-    inp = _inputs(source, tokenizer, template_kwargs, settings)
-    if _reuse(out, inp.fingerprint, overwrite):
+    # One writer per output: a second prepare of the same --out is refused, naming the first.
+    with output_locked(out, "dflash data prepare", f"prepared directory {out}"):
+        t0 = time.perf_counter()
+        remove_stale(out.parent, out.name)  # what a killed earlier run left, even if we reuse
+        settings: dict[str, Any] = {
+            "fmt": fmt,
+            "max_records": max_records,
+            "max_tokens": max_tokens,
+            "eval_fraction": eval_fraction,
+            "shard_tokens": shard_tokens,
+        }
+        if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
+            settings["loop_tails"] = loop_tails
+        exclude = frozenset(exclude_ids or ())
+        if exclude:  # likewise absent without exclusion
+            digest = hashlib.sha256("\n".join(sorted(exclude)).encode("utf-8")).hexdigest()
+            settings["exclude_ids"] = {"count": len(exclude), "sha256": digest}
+        inp = _inputs(source, tokenizer, template_kwargs, settings)
+        if _reuse(out, inp.fingerprint, overwrite):
+            return out
+        with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
+            loops = LoopTally()
+            report, tally, entries = _write_documents(tmp, inp, batch_size, loops, exclude)
+            if report.kept == 0:
+                raise DFlashError(
+                    f"no usable records in {source}:\n{report.format()}\n(prompts only? "
+                    "regenerate answers first with `dflash data regenerate`)"
+                )
+            manifest = _manifest(inp, report, tally, entries, loops)
+            _write_json(tmp / MANIFEST, manifest)
+            _write_stats(tmp, budget)
+            for split in SPLITS:  # what the trainer checks against its target's vocabulary
+                ids = PreparedDataset(tmp, split).token_id_range()
+                manifest["splits"][split]["token_ids"] = list(ids)
+            manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
+            _write_json(tmp / MANIFEST, manifest)
         return out
-    with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
-        loops = LoopTally()
-        report, tally, entries = _write_documents(tmp, inp, batch_size, loops, exclude)
-        if report.kept == 0:
-            raise DFlashError(
-                f"no usable records in {source}:\n{report.format()}\n(prompts only? regenerate "
-                "answers first with `dflash data regenerate`)"
-            )
-        manifest = _manifest(inp, report, tally, entries, loops)
-        _write_json(tmp / MANIFEST, manifest)
-        _write_stats(tmp, budget)
-        manifest["prepare_seconds"] = round(time.perf_counter() - t0, 2)
-        _write_json(tmp / MANIFEST, manifest)
-    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:

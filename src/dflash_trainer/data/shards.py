@@ -250,6 +250,18 @@ class PreparedDataset:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([s.supervised_counts() for s in self._shards])
 
+    def token_id_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id of the split, read from its shards; (0, -1) if empty."""
+        lo, hi = None, None
+        for shard in self._shards:
+            if shard._tokens is None:
+                shard._map()
+            tokens = shard._tokens
+            if tokens is not None and len(tokens):
+                a, b = int(tokens.min()), int(tokens.max())
+                lo, hi = (a, b) if lo is None or hi is None else (min(lo, a), max(hi, b))
+        return (0, -1) if lo is None or hi is None else (lo, hi)
+
     def verify(self) -> None:
         """Recompute every shard file's sha256; raise DFlashError naming the first bad shard."""
         for shard in self._shards:

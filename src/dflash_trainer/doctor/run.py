@@ -47,8 +47,7 @@ def _local_target(cfg: Config) -> bool:
 
 
 def _tokenizer(cfg: Config) -> Any:
-    from dflash_trainer.data.loading import load_tokenizer
-    from dflash_trainer.train.dataset import tokenizer_spec
+    from dflash_trainer.data.loading import load_tokenizer, tokenizer_spec
 
     return load_tokenizer(tokenizer_spec(cfg.target), cfg.target.trust_remote_code)
 
@@ -82,15 +81,41 @@ def _data_sample(cfg: Config, data: str | Path | None, report: DoctorReport) -> 
         return None
 
 
-def _mask_checks(
-    cfg: Config, t: Any, use_tokenizer: bool, sample: DataSample | None
-) -> list[Check]:
-    tokenizer, tok_note = None, ""
+def _load_tokenizer(cfg: Config, use_tokenizer: bool) -> tuple[Any, str]:
+    """(the target's tokenizer or None, why it is None when it failed to load)."""
     if use_tokenizer and _local_target(cfg):
         try:
-            tokenizer = _tokenizer(cfg)
+            return _tokenizer(cfg), ""
         except Exception as e:  # a broken tokenizer must not hide the other checks
-            tok_note = f" (tokenizer failed to load: {e})"
+            return None, f" (tokenizer failed to load: {e})"
+    return None, ""
+
+
+def _prepared_tokenizer_checks(
+    cfg: Config, t: Any, data: str | Path | None, tokenizer: Any
+) -> list[Check]:
+    """The prepared data's recorded tokenizer and token ids against the target's."""
+    from dflash_trainer.data.shards import read_manifest
+    from dflash_trainer.data.tokenizer_check import findings
+    from dflash_trainer.plan.dataset import prepared_dir
+
+    path = Path(data) if data else prepared_dir(cfg)
+    if path is None or not (path / "manifest.json").is_file():
+        return []
+    try:
+        manifest = read_manifest(path)
+        found = findings(path, manifest, cfg.target.name_or_path, int(t.vocab_size), tokenizer)
+    except DFlashError:
+        return []  # data.read reports the damage
+    if not found:
+        note = "" if tokenizer is not None else " (tokenizer not loaded: ids checked only)"
+        found = [("pass", f"{path}: token ids inside the target's vocabulary{note}", "")]
+    return [Check("data.tokenizer", status, message, fix) for status, message, fix in found]
+
+
+def _mask_checks(
+    cfg: Config, t: Any, tokenizer: Any, tok_note: str, sample: DataSample | None
+) -> list[Check]:
     occ = None
     if sample is not None and cfg.drafter.mask_token_id is not None:
         occ = scan_tokens(sample.docs, cfg.drafter.mask_token_id, sample.doc_ids)
@@ -139,7 +164,9 @@ def run_doctor(
     report.checks += check_init_from(cfg, t)
     report.checks += check_dflash2(cfg, t)
     sample = _data_sample(cfg, data, report)
-    report.checks += _mask_checks(cfg, t, use_tokenizer, sample)
+    tokenizer, tok_note = _load_tokenizer(cfg, use_tokenizer)
+    report.checks += _prepared_tokenizer_checks(cfg, t, data, tokenizer)
+    report.checks += _mask_checks(cfg, t, tokenizer, tok_note, sample)
     report.checks += check_rope(cfg, t)
     report.checks += check_sliding(cfg)
     report.checks += check_data(cfg, sample)

@@ -75,3 +75,35 @@ def _prepared_stats(path: Path, supervised_fraction: float | None) -> DataStats:
         raise DFlashError(f"{path}: the train split has no documents")
     frac = supervised_fraction or (sup / tokens if tokens and sup else DEFAULT_SUPERVISED_FRACTION)
     return DataStats(docs, lengths, tokens / docs, frac, f"{path}/manifest.json")
+
+
+def check_plan_data(cfg: Config, data: str | None) -> None:
+    """Refuse a prepared dataset made with another tokenizer than the target's, or holding
+    ids outside its vocabulary (data/tokenizer_check.py); the tokenizer is compared when the
+    target is on this machine, the ids always."""
+    import sys
+
+    from dflash_trainer.data.shards import read_manifest
+    from dflash_trainer.data.tokenizer_check import (
+        findings,
+        load_target_tokenizer,
+        refuse_mismatch,
+    )
+    from dflash_trainer.target.configs import load_target_config
+
+    path = Path(data) if data else prepared_dir(cfg)
+    if path is None:
+        return
+    try:
+        manifest = read_manifest(path)
+    except DFlashError:
+        return  # data_stats said what it could read of it
+    name = cfg.target.name_or_path
+    local = name.startswith("asset:") or Path(name).exists()
+    tokenizer = load_target_tokenizer(cfg.target) if local and manifest.get("tokenizer") else None
+    vocab = int(load_target_config(cfg.target).vocab_size)
+
+    def warn(message: str) -> None:
+        print(f"dflash plan: note: {message}", file=sys.stderr)
+
+    refuse_mismatch(findings(path, manifest, name, vocab, tokenizer), warn)

@@ -14,7 +14,7 @@ from typing import Any
 
 from dflash_trainer import config_cli
 from dflash_trainer.config import Config
-from dflash_trainer.plan.dataset import data_stats
+from dflash_trainer.plan.dataset import check_plan_data, data_stats
 from dflash_trainer.plan.hardware import Hardware, get_hardware, hardware_names
 from dflash_trainer.plan.planner import Prediction, calibrate, predict
 
@@ -87,6 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
     placement = args.placement or cfg.distributed.placement
     gpus = args.gpus or default_gpus(placement)
     stats = data_stats(cfg, args.data, args.samples, args.mean_tokens, args.supervised_fraction)
+    check_plan_data(cfg, args.data)
     cal = calibrate(args.calibrate, hw, gpus, placement, None) if args.calibrate else None
     precisions = ["bf16", "fp8"] if args.target_precision == "both" else [args.target_precision]
     preds = [

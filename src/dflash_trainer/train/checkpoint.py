@@ -18,10 +18,11 @@ A resume checks the checksums: a damaged file (a disk that filled up, a bad copy
 makes it fall back to the newest intact checkpoint, saying so, and it refuses only
 when none is intact. Checkpoints written before checksums existed are still loaded;
 for them, a file that does not parse counts as damaged. LATEST is only followed to a
-`step_*` name inside the checkpoint directory.
+`step_*` name inside the checkpoint directory, and a `step_*` that is a symbolic link is
+never loaded, pruned or deleted through (it is not a checkpoint this tool wrote there).
 
 What goes into a checkpoint and back out of it (weights, optimizer, scheduler, RNG,
-data position, counters) is `capture_state` / `restore_state` at the end.
+data position, counters) is `capture_state` / `restore_state` in train/train_state.py.
 
 Nothing is pickled: tensors go to safetensors, everything else to JSON.
 """
@@ -33,70 +34,31 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import fsspec
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash_trainer.atomic_dir import atomic_directory, fsync_path, remove_stale
-from dflash_trainer.config import Config
+from dflash_trainer.atomic_dir import MARKER, atomic_directory, fsync_path, remove_stale
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import save_drafter_files
-from dflash_trainer.train.batching import Position
-from dflash_trainer.train.distributed import World
 from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
-
-
-class Trainer(Protocol):
-    """What capture_state / restore_state touch of the trainer (a protocol: trainer.py
-    imports this module, not the other way round). Read-only parts are properties."""
-
-    @property
-    def cfg(self) -> Config: ...
-    @property
-    def world(self) -> World: ...
-    @property
-    def spec(self) -> DrafterSpec: ...
-    @property
-    def run_dir(self) -> Path: ...
-    @property
-    def data(self) -> Any: ...
-    @property
-    def drafter(self) -> torch.nn.Module: ...
-    @property
-    def model(self) -> torch.nn.Module: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
-    @property
-    def anchor_gen(self) -> torch.Generator: ...
-    @property
-    def total_steps(self) -> int: ...
-
-    step: int
-    micro_steps: int
-    position: Position
-    bad_steps: int
-    skipped_total: int
-    truncated_total: int
-    tokens_seen: int
-
 
 LATEST = "LATEST"
 COMPLETE = "COMPLETE"
 CHECKSUMS = "checksums.json"
 _STEP_NAME = re.compile(r"^step_[0-9]{8,}$")
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+"""A file name in checksums.json: no directory part, so no path out of the checkpoint."""
 
 
 @dataclass
@@ -122,6 +84,12 @@ class CheckpointData:
     rng_tensors: dict[str, torch.Tensor]
     passed_over: list[str] = field(default_factory=list)
     """Newer checkpoints skipped as damaged, with the reason (empty: the latest loaded)."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    """spec.json: the drafter's geometry."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """meta.json: what trained it (config sections, prepared data; train_state.run_meta)."""
+    verified: bool = True
+    """False: it has no checksums.json (written before checksums existed)."""
 
 
 def _warn(msg: str) -> None:
@@ -136,18 +104,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _damaged_files(d: Path) -> list[str]:
+def _damaged_files(d: Path) -> list[str] | None:
     """Files of checkpoint directory `d` whose sha256 differs from checksums.json.
 
-    [] when all match, or when the checkpoint predates checksums (no checksums.json).
+    [] when all match; None when the checkpoint has no checksums.json (older code wrote
+    none): its files cannot be verified.
     """
     manifest = d / CHECKSUMS
-    if not manifest.is_file():
-        return []
+    if not manifest.exists():
+        return None
     try:
-        sums = json.loads(manifest.read_text())["sha256"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        sums = json.loads(manifest.read_bytes()[: 1 << 20])["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
         return [f"{CHECKSUMS} (unreadable)"]
+    if not isinstance(sums, dict) or not all(
+        _PLAIN_NAME.match(str(k)) and isinstance(v, str) for k, v in sums.items()
+    ):
+        return [f"{CHECKSUMS} (not a map of this directory's file names to sha256 sums)"]
     bad = []
     for fname, want in sorted(sums.items()):
         f = d / fname
@@ -159,16 +132,46 @@ def _damaged_files(d: Path) -> list[str]:
 
 
 def _read_files(d: Path, name: str, location: str) -> CheckpointData:
-    from dflash_trainer.formats.drafter_io import WEIGHTS_FILE
+    from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, WEIGHTS_FILE
 
     drafter_state = load_file(str(d / WEIGHTS_FILE))
     opt = unflatten_optimizer(
         load_file(str(d / "optimizer.safetensors")),
         json.loads((d / "optimizer.json").read_text()),
     )
-    trainer_state = json.loads((d / "trainer_state.json").read_text())
+    trainer_state = _checked_trainer_state(json.loads((d / "trainer_state.json").read_text()))
     rng = load_file(str(d / "trainer_state.safetensors"))
-    return CheckpointData(name, location, drafter_state, opt, trainer_state, rng)
+    spec = json.loads((d / SPEC_FILE).read_text()) if (d / SPEC_FILE).is_file() else {}
+    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
+    if not isinstance(spec, dict) or not isinstance(meta, dict):
+        raise ValueError(f"{SPEC_FILE} or {META_FILE} is not a JSON object")
+    return CheckpointData(
+        name, location, drafter_state, opt, trainer_state, rng, spec=spec, meta=meta
+    )
+
+
+_COUNTERS = (
+    *("bad_steps", "skipped_total", "truncated_total", "tokens_seen"),
+    *("micro_steps", "world_size", "total_steps"),
+)
+
+
+def _checked_trainer_state(ts: Any) -> dict[str, Any]:
+    """trainer_state.json, its fields of the right type (a ValueError names the first wrong
+    one: the checkpoint counts as damaged). `step` and `position` are in every checkpoint;
+    the trainer's counters are checked where present (restore_state requires them)."""
+    if not isinstance(ts, dict):
+        raise ValueError("trainer_state.json is not a JSON object")
+    for key in ("step", *(k for k in _COUNTERS if k in ts)):
+        value = ts.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"trainer_state.json: {key} is {value!r:.40}, not a count")
+    pos = ts.get("position")
+    if not isinstance(pos, dict) or not all(isinstance(pos.get(k), int) for k in ("epoch", "step")):
+        raise ValueError(f"trainer_state.json: position is {pos!r:.80}")
+    if "scheduler" in ts and not isinstance(ts["scheduler"], dict):
+        raise ValueError("trainer_state.json: scheduler is not a JSON object")
+    return ts
 
 
 class Checkpointer:
@@ -178,7 +181,10 @@ class Checkpointer:
         keep_last: int = 3,
         storage_options: dict[str, Any] | None = None,
         log: Callable[[str], None] = _warn,
+        sweep: bool = True,
     ):
+        """sweep: remove what killed saves of this tool left (off for a dry run, which
+        must change nothing on disk it did not create)."""
         self.root = root.rstrip("/")
         self.keep_last = keep_last
         self.log = log
@@ -186,10 +192,17 @@ class Checkpointer:
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.fs.makedirs(self.path, exist_ok=True)
         if self.local:
+            for fixed in (LATEST, f".{LATEST}.tmp"):
+                where = Path(self.path) / fixed
+                if where.exists() and not where.is_file():
+                    raise DFlashError(
+                        f"{where} is not a file (a {LATEST} pointer is written there); move "
+                        "it away, or give another run.checkpoint_dir"
+                    )
+        if self.local and sweep:
+            # Only this tool's marked temporaries of dead writers: another program's
+            # `.tmp-*` files, or anything else here, are never touched.
             remove_stale(Path(self.path), log=self.log)
-            for stale in Path(self.path).glob(".tmp-*"):  # the naming of earlier versions
-                shutil.rmtree(stale, ignore_errors=True)
-                self.log(f"removed {stale}, left by an interrupted checkpoint save")
 
     # ------------------------------------------------------------------ saving
 
@@ -229,7 +242,7 @@ class Checkpointer:
         (d / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
         # Checksums of the files as written, then the marker: a checkpoint with
         # COMPLETE always has its checksums.
-        sums = {f.name: _sha256(f) for f in sorted(d.iterdir())}
+        sums = {f.name: _sha256(f) for f in sorted(d.iterdir()) if f.name != MARKER}
         (d / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
         # Durability is the publisher's job, once: atomic_directory fsyncs every file before
         # the rename (local); a remote store gets finished files from this staging copy.
@@ -254,6 +267,8 @@ class Checkpointer:
         except FileNotFoundError:
             return []
         names = sorted(Path(str(e)).name for e in entries if _STEP_NAME.match(Path(str(e)).name))
+        if self.local:
+            names = _without_links(self.path, names, self.log)
         return [n for n in names if self.fs.exists(f"{self.path}/{n}/{COMPLETE}")]
 
     def _prune(self) -> None:
@@ -275,14 +290,22 @@ class Checkpointer:
         p = f"{self.path}/{LATEST}"
         if not self.fs.exists(p):
             return None
-        with self.fs.open(p, "r") as f:
-            name = str(f.read()).strip()
+        try:
+            with self.fs.open(p, "rb") as f:
+                raw = f.read(256)  # a name is ~13 bytes: never read a huge file whole
+            name = raw.decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            self.log(
+                f"{self.root}/{LATEST} is unreadable ({type(e).__name__}); ignoring it and "
+                "using the newest complete step_* directory (the next save rewrites it)"
+            )
+            return None
         if not name:
             return None
         if not _STEP_NAME.match(name):
             self.log(
-                f"{self.root}/{LATEST} names {name!r}, not a step_XXXXXXXX checkpoint of this "
-                "directory; ignoring it and using the newest complete step_* directory"
+                f"{self.root}/{LATEST} names {name[:64]!r}, not a step_XXXXXXXX checkpoint of "
+                "this directory; ignoring it and using the newest complete step_* directory"
             )
             return None
         return name
@@ -345,10 +368,18 @@ class Checkpointer:
             if bad:
                 return None, ", ".join(bad)
             try:
-                return _read_files(local, name, f"{self.root}/{name}"), ""
+                data = _read_files(local, name, f"{self.root}/{name}")
             except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
                 # A checkpoint without checksums (older code): a file that does not parse.
                 return None, f"unreadable ({type(e).__name__}: {e})"
+            if bad is None:
+                data.verified = False
+                self.log(
+                    f"{self.root}/{name} has no {CHECKSUMS}: its weights and state are "
+                    "unverified (they parse, but damage that keeps them parseable would go "
+                    "unnoticed); the next checkpoint saved will have checksums"
+                )
+            return data, ""
 
 
 def existing_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -363,117 +394,33 @@ def existing_checkpoints(root: str, storage_options: dict[str, Any] | None = Non
     return sorted(n for n in names if n == LATEST or _STEP_NAME.match(n))
 
 
-def remove_checkpoints(root: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the step_* directories and LATEST under `root` (an explicit start-over)."""
+def _without_links(path: str, names: list[str], log: Callable[[str], None]) -> list[str]:
+    """`names` less the symbolic links among them (local disk), each named in `log`.
+
+    This tool writes checkpoints as directories; a link named like one points somewhere
+    else (perhaps another run) and is never loaded, pruned or deleted through.
+    """
+    keep = []
+    for n in names:
+        link = Path(path) / n
+        if link.is_symlink():
+            log(f"{link} is a symbolic link (to {os.readlink(link)}), not a checkpoint this "
+                "tool wrote here: ignored, never loaded or deleted")  # fmt: skip
+        else:
+            keep.append(n)
+    return keep
+
+
+def remove_checkpoints(
+    root: str, storage_options: dict[str, Any] | None = None, log: Callable[[str], None] = _warn
+) -> None:
+    """Delete the step_* directories and LATEST under `root` (an explicit start-over).
+
+    A step_* symbolic link is left as it is, and so is what it points to."""
     fs, path = fsspec.core.url_to_fs(root.rstrip("/"), **(storage_options or {}))
+    names = existing_checkpoints(root, storage_options)
+    if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        names = [n for n in names if n == LATEST or n in _without_links(path, [n], log)]
     # LATEST first: a crash half-way leaves no pointer to a half-deleted checkpoint.
-    for name in sorted(existing_checkpoints(root, storage_options), key=lambda n: n != LATEST):
+    for name in sorted(names, key=lambda n: n != LATEST):
         fs.rm(f"{path}/{name}", recursive=name != LATEST)
-
-
-# ------------------------------------------------------- the trainer's state in and out
-
-
-def run_meta(tr: Trainer) -> dict[str, Any]:
-    """meta.json of a checkpoint and of the final drafter: what trained it."""
-    from dflash_trainer.config import config_to_dict
-
-    return {
-        "step": tr.step,
-        "target": config_to_dict(tr.cfg.target),
-        "training": config_to_dict(tr.cfg.training),
-        "data": config_to_dict(tr.cfg.data),
-        "prepared": prepared_meta(getattr(tr.data.train, "manifest", None) if tr.data else None),
-        "run": str(tr.run_dir),
-    }
-
-
-def prepared_meta(manifest: Any) -> dict[str, Any] | None:
-    """How the training documents were prepared (`dflash data prepare` settings, loop tails,
-    train split size): a prepared directory's settings are not in the run's config."""
-    if not isinstance(manifest, dict):
-        return None
-    train = manifest.get("splits", {}).get("train", {})
-    return {
-        "settings": manifest.get("settings"),
-        "loop_tails": manifest.get("loop_tails"),
-        "train": {k: train.get(k) for k in ("documents", "tokens", "supervised_tokens")},
-    }
-
-
-def _fsdp_drafter(tr: Trainer) -> bool:
-    return tr.world.distributed and tr.cfg.distributed.data_parallel == "fsdp"
-
-
-def full_states(tr: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Unsharded model and optimizer state (a collective under FSDP: every rank calls)."""
-    if not _fsdp_drafter(tr):
-        return tr.drafter.state_dict(), tr.optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd: Any = get_model_state_dict(tr.model, options=opts)
-    optim_sd: Any = get_optimizer_state_dict(tr.model, tr.optimizer, options=opts)
-    return model_sd, optim_sd
-
-
-def capture_state(
-    tr: Trainer, drafter_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
-) -> CheckpointState:
-    """What a checkpoint of `tr` holds: weights, optimizer, schedule, data position, RNG."""
-    # Anchors and noise are re-seeded per step (Trainer._stream_seed); the generator
-    # states are kept for inspection only.
-    rng = {"torch_cpu": torch.get_rng_state(), "anchor_gen": tr.anchor_gen.get_state()}
-    trainer_state = {
-        "step": tr.step,
-        "micro_steps": tr.micro_steps,
-        "position": {"epoch": tr.position.epoch, "step": tr.position.step},
-        "scheduler": tr.scheduler.state_dict(),
-        "bad_steps": tr.bad_steps,
-        "skipped_total": tr.skipped_total,
-        "truncated_total": tr.truncated_total,
-        "tokens_seen": tr.tokens_seen,
-        "world_size": tr.world.world_size,
-        "total_steps": tr.total_steps,
-    }
-    return CheckpointState(
-        tr.step, tr.spec, drafter_state, run_meta(tr), optimizer_state, trainer_state, rng
-    )
-
-
-def restore_state(tr: Trainer, data: CheckpointData) -> None:
-    """Put a loaded checkpoint back into `tr` (the inverse of capture_state)."""
-    ts = data.trainer_state
-    if ts.get("world_size", 1) != tr.world.world_size:
-        raise DFlashError(
-            f"{data.location} was written by a run with {ts['world_size']} ranks; this run "
-            f"has {tr.world.world_size}. Resume with the same number of ranks (the data "
-            "order and anchor streams are per rank)"
-        )
-    if _fsdp_drafter(tr):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True)
-        full: Any = data.drafter_state
-        set_model_state_dict(tr.model, full, options=opts)
-        set_optimizer_state_dict(tr.model, tr.optimizer, data.optimizer_state, options=opts)
-    else:
-        tr.drafter.load_state_dict(data.drafter_state)
-        tr.optimizer.load_state_dict(data.optimizer_state)
-    tr.scheduler.load_state_dict(ts["scheduler"])
-    tr.step = ts["step"]
-    # Older checkpoints: no step was ever skipped as empty, so micro-steps = steps x accum.
-    tr.micro_steps = ts.get("micro_steps", ts["step"] * tr.cfg.training.grad_accum_steps)
-    tr.position = Position(**ts["position"])
-    tr.bad_steps = ts["bad_steps"]
-    tr.skipped_total = ts["skipped_total"]
-    tr.truncated_total = ts["truncated_total"]
-    tr.tokens_seen = ts["tokens_seen"]

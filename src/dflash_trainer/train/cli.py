@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "directory): its weights and its lineage, with a fresh optimizer whose schedule "
         "warms up again (training.warmup_ratio); the same as drafter.init_from=DIR",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though the config changes what the run trains "
+        "(target layers, block size, seed, data, token budget, accumulation, loss, ...); "
+        "the changes are listed and recorded in run_info.json",
+    )
     p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
     p.add_argument(
         "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
@@ -92,6 +99,24 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus and "RANK" not in os.environ:
         return _launch_torchrun(args)
     cfg = resolve_config(args)
+    if args.overwrite and args.resume:
+        raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
+    run_dir = Path(cfg.run.output_dir) / ("dry-run" if args.dry_run else "")
+    lock = None
+    if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run directory
+        from dflash_trainer.dir_lock import acquire
+
+        # Before the pre-flight checks spend minutes loading the target: a second
+        # process on the same run directory is refused at once (the trainer re-enters it).
+        lock = acquire(run_dir, "dflash train", f"run directory {run_dir}")
+    try:
+        return _run_locked(args, cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(args: argparse.Namespace, cfg: Config) -> int:
     if not args.resume and not args.dry_run:
         from dflash_trainer.train.run_dir import check_fresh_start
 
@@ -113,12 +138,26 @@ def run(args: argparse.Namespace) -> int:
         from dflash_trainer.config import replace
 
         run_dir = Path(cfg.run.output_dir) / "dry-run"
-        cfg = replace(cfg, run={"output_dir": str(run_dir)}, training={"max_steps": 1})
-    if args.overwrite and args.resume:
-        raise DFlashError("--overwrite starts a run over; --resume continues it: give one")
-    trainer = Trainer(cfg, resume=bool(args.resume), argv=sys.argv, overwrite=args.overwrite)
+        # Its own scratch directory, checkpoints included: a configured run.checkpoint_dir
+        # is the real run's, which a dry run neither cleans nor writes.
+        cfg = replace(
+            cfg,
+            run={"output_dir": str(run_dir), "checkpoint_dir": None},
+            training={"max_steps": 1},
+        )
+    trainer = Trainer(
+        cfg,
+        resume=bool(args.resume),
+        argv=sys.argv,
+        overwrite=args.overwrite and not args.dry_run,
+        dry_run=args.dry_run,
+        allow_config_change=args.allow_config_change,
+    )
     if args.dry_run:
-        st = trainer.train_step()
+        try:
+            st = trainer.train_step()
+        finally:
+            trainer.release()
         n_params = sum(p.numel() for p in trainer.drafter.parameters())
         print(
             f"dry run OK: target {cfg.target.name_or_path}, drafter {n_params / 1e6:.1f}M params, "

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.config import Config, TargetConfig
+from dflash_trainer.config import Config
+from dflash_trainer.data.loading import tokenizer_spec
 from dflash_trainer.errors import DFlashError
 
 
@@ -24,13 +25,6 @@ class TrainData:
     """A DocumentSource: `lengths`, `len()`, `[i] -> Document(input_ids, loss_mask, doc_id)`."""
     eval: Any | None
     path: Path | None
-
-
-def tokenizer_spec(tcfg: TargetConfig) -> str:
-    """The target's tokenizer in data.loading's spec syntax (`DIR::FILE.gguf` for GGUF)."""
-    if tcfg.gguf_file:
-        return f"{tcfg.name_or_path}::{tcfg.gguf_file}"
-    return tcfg.name_or_path
 
 
 def is_prepared(path: str | Path) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,47 +64,111 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
+def write_run_files(
+    run_dir: Path,
+    cfg: Config,
+    argv: list[str] | None,
+    log: Callable[[str], None] = print,
+    changes: list[Any] | None = None,
+) -> None:
+    """config.yaml (this start's resolved config) and run_info.json (this start's provenance,
+    earlier starts in `history`, and `config_changes` a resume was allowed to make).
+
+    A damaged run_info.json is kept aside (never lost) and the history starts over, said."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    info = {
+    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    info: dict[str, Any] = {
         "argv": argv if argv is not None else sys.argv,
         "versions": package_versions(),
         "git_sha": git_sha(),
         "host": socket.gethostname(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    old = read_run_info(run_dir, log)
+    if old is not None:
+        history = old.get("history")
+        earlier = history if isinstance(history, list) else []
+        info["history"] = [*earlier, {k: v for k, v in old.items() if k != "history"}]
+    else:
+        info["history"] = []
+    if changes:  # resume_check.Change objects
+        info["config_changes"] = [c.to_dict() for c in changes]
+    _write_atomic(run_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
+
+
+def record_config_changes(
+    run_dir: Path, changes: list[dict[str, Any]], log: Callable[[str], None] = print
+) -> None:
+    """Add config changes found after the start (against the checkpoint) to run_info.json."""
+    info = read_run_info(run_dir, log) or {}
+    info["config_changes"] = [*info.get("config_changes", []), *changes]
+    _write_atomic(run_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
+
+
+def read_run_info(run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """run_info.json as a dict; None if absent. A damaged one is renamed aside, said."""
     path = run_dir / "run_info.json"
-    history = []
-    if path.is_file():
-        old = json.loads(path.read_text())
-        history = [*old.get("history", []), {k: v for k, v in old.items() if k != "history"}]
-    info["history"] = history
-    path.write_text(json.dumps(info, indent=2) + "\n")
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        data = json.loads(path.read_bytes()[: 64 << 20])
+        if isinstance(data, dict):
+            return data
+        why = f"a JSON {type(data).__name__}, not an object"
+    except (OSError, ValueError) as e:
+        why = f"{type(e).__name__}: {str(e)[:80]}"
+    aside = path.with_name(f"run_info.json.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        os.replace(path, aside)
+    except OSError as e:
+        raise DFlashError(
+            f"{path} is damaged ({why}) and cannot be moved aside ({e.strerror or e}); move "
+            "it away yourself"
+        ) from e
+    log(f"{path} was damaged ({why}); kept as {aside.name}, the run's history starts over")
+    return None
+
+
+RUN_FILES = ("config.yaml", "run_info.json", "metrics.jsonl", "drafter")
+"""What a run leaves in its directory (checkpoints aside): any of them marks it used."""
 
 
 def check_fresh_start(
     cfg: Config, run_dir: Path, overwrite: bool, is_main: bool, log: Callable[[str], None]
 ) -> None:
-    """Refuse a fresh run over one that has checkpoints, unless `overwrite` (then clear them).
+    """Refuse a fresh run in a used run directory, unless `overwrite` (then clear it).
 
-    Starting over silently would move LATEST back to the new run's first checkpoint and
-    interleave two runs' rows in metrics.jsonl.
+    Used: it has checkpoints (in run.checkpoint_dir) or any of RUN_FILES. Starting over
+    silently would move LATEST back to the new run's first checkpoint, interleave two runs'
+    rows in metrics.jsonl and leave the old run's drafter beside the new run's numbers.
+    `overwrite` deletes the checkpoints and the final drafter (metrics.jsonl is cut back to
+    nothing by the trainer, config.yaml and run_info.json are rewritten, keeping history).
     """
     root = cfg.run.checkpoint_dir or str(run_dir / "checkpoints")
     found = existing_checkpoints(root, cfg.run.storage_options)
-    if not found:
+    used = [n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+    if not found and not used:
         return
     if not overwrite:
-        shown = ", ".join(found[-3:])
+        held = used + ([f"checkpoints in {root}: " + ", ".join(found[-3:])] if found else [])
         raise DFlashError(
-            f"run.output_dir={run_dir} already holds a run with checkpoints ({root}: {shown}). "
+            f"run.output_dir={run_dir} already holds a run ({'; '.join(held)}). "
             f"Continue it with `dflash train --resume {run_dir}`, give a new run.output_dir, "
-            "or pass --overwrite to delete its checkpoints and start over"
+            "or pass --overwrite to delete its checkpoints and final drafter and start over"
         )
-    if is_main:
-        remove_checkpoints(root, cfg.run.storage_options)
+    if not is_main:
+        return
+    if found:
+        remove_checkpoints(root, cfg.run.storage_options, log)
         log(f"--overwrite: deleted the checkpoints in {root}; starting over")
+    drafter = run_dir / "drafter"
+    if drafter.exists() or drafter.is_symlink():
+        from dflash_trainer.atomic_dir import check_replaceable
+        from dflash_trainer.formats.drafter_io import DRAFTER_FILES
+
+        check_replaceable(drafter, DRAFTER_FILES.__contains__, "the run's final drafter")
+        shutil.rmtree(drafter)
+        log(f"--overwrite: deleted the previous run's final drafter {drafter}")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -130,21 +195,26 @@ class MetricsLog:
             except ImportError:
                 self._tb = None
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> int:
         """Drop rows logged after `step` (they will be redone): the resumed checkpoint's
         step on resume, 0 on a fresh start. Rewritten atomically (a crash keeps the old
-        file); a torn last line (a crash mid-append) is dropped too."""
-        if not self.enabled or not self.path.is_file():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("step", 0) <= step:
+        file). Damaged rows (a torn last line after a crash, bytes that are not a JSON
+        object with a numeric step) are dropped too; returns how many."""
+        if not self.enabled or not (self.path.exists() or self.path.is_symlink()):
+            return 0
+        if not self.path.is_file():
+            raise DFlashError(
+                f"{self.path} is not a file; move it away (the run's metrics are written there)"
+            )
+        keep, damaged = [], 0
+        for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
+            row = _metrics_row(line)
+            if row is None:
+                damaged += line.strip() != ""
+            elif row.get("step", 0) <= step:
                 keep.append(line)
         _write_atomic(self.path, "".join(line + "\n" for line in keep))
+        return damaged
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -166,8 +236,25 @@ class MetricsLog:
             self._tb.close()
 
 
+def _metrics_row(line: str) -> dict[str, Any] | None:
+    """A metrics.jsonl line as its row, or None if damaged (not an object with a numeric
+    step)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    step = row.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int | float) or step != step:
+        return None
+    return row
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of RUN/metrics.jsonl (damaged lines left out); [] without one."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    return [row for row in map(_metrics_row, text.splitlines()) if row is not None]

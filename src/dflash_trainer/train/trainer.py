@@ -31,31 +31,29 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config, config_to_dict
-from dflash_trainer.core.dflash2 import is_dflash2_tensor
 from dflash_trainer.core.drafter import DFlashDrafter
-from dflash_trainer.core.geometry import init_differences, resolve_drafter_spec
+from dflash_trainer.core.geometry import resolve_drafter_spec
+from dflash_trainer.data.tokenizer_check import check_train_data
+from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_run
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
-from dflash_trainer.train.checkpoint import (
-    Checkpointer,
-    capture_state,
-    full_states,
-    restore_state,
-    run_meta,
-)
+from dflash_trainer.train.checkpoint import Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
+from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm
 from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.metrics_window import console_line, window_record
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
+from dflash_trainer.train.resume_check import Change, check_checkpoint, check_saved_config
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (
     settings_for_spec,
 )
 from dflash_trainer.train.stepping import Stepper, StepStats, TargetPrefetcher
+from dflash_trainer.train.train_state import capture_state, full_states, restore_state, run_meta
 
 
 def _warn(msg: str) -> None:
@@ -75,22 +73,41 @@ class Trainer(Stepper):
         log_to_console: bool = True,
         data: TrainData | None = None,
         overwrite: bool = False,
+        dry_run: bool = False,
+        allow_config_change: bool = False,
     ) -> None:
         """Build a run (stages in the module docstring's order).
 
         resume: continue from the newest intact checkpoint. overwrite: start over in a
         run directory that has checkpoints, deleting them; without it that is refused.
+        dry_run: `dflash train --dry-run` (its own scratch run directory, rewritten each
+        time; nothing outside it is cleaned up or deleted). allow_config_change: resume
+        even if the config changes what the run trains (train/resume_check.py).
         """
         self.cfg = cfg
-        self._build_world(log_to_console, resume, overwrite, argv)
-        self._build_target()
-        self._build_drafter()
-        self._build_parallelism()
-        self._build_compile()
-        self._build_data(data)
-        self._build_optimizer()
-        self._build_checkpointer(resume)
-        self._build_metrics(resume)
+        self.dry_run = dry_run
+        self.allow_config_change = allow_config_change
+        self._config_changes: list[Change] = []
+        self._lock: DirLock | None = None
+        try:
+            self._build_world(log_to_console, resume, overwrite, argv)
+            self._build_target()
+            self._build_drafter()
+            self._build_parallelism()
+            self._build_compile()
+            self._build_data(data)
+            self._build_optimizer()
+            self._build_checkpointer(resume)
+            self._build_metrics(resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the run directory's lock (train() does at its end; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # --------------------------------------------------------------- builders
 
@@ -100,12 +117,19 @@ class Trainer(Stepper):
         self.world = D.init_world(self.cfg.distributed, self.cfg.training.device)
         self.run_dir = Path(self.cfg.run.output_dir)
         self.console = log_to_console and self.world.is_main
-        if not resume:
+        if self.world.is_main:
+            # Before any file of the run is read or written; released by train() or a failure.
+            self._lock = acquire(self.run_dir, "dflash train", f"run directory {self.run_dir}")
+        if not resume and not self.dry_run:
             # Before any file of the run is rewritten: a fresh start over checkpoints
             # would silently move LATEST back and repeat metrics rows.
             check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
+        if resume:  # before the target loads: a changed run is refused at once
+            self._config_changes = check_saved_config(
+                self.run_dir, self.cfg, self.allow_config_change, self._warn
+            )
         if self.world.is_main:
-            write_run_files(self.run_dir, self.cfg, argv)
+            write_run_files(self.run_dir, self.cfg, argv, _warn, self._config_changes)
 
     def _build_target(self) -> None:
         # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
@@ -127,9 +151,13 @@ class Trainer(Stepper):
         self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
         self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
-            self._init_drafter_from(self.cfg.drafter.init_from)
+            path = self.cfg.drafter.init_from
+            state = init_drafter_from(self.drafter, self.spec, path, self._log)
+            self.inherited = Inheritance.of(path, state)
+            n = len((self.inherited.parent or {}).get("continuations", []))
+            self._log(f"drafter initialised from {path} (its lineage: {n} continuations)")
         else:
-            self._init_output_norm()
+            init_output_norm(self.drafter, self.target.lm_head_weight)
         self.drafter.to(self.world.drafter_device).train()
 
     def _build_parallelism(self) -> None:
@@ -170,6 +198,7 @@ class Trainer(Stepper):
     def _build_data(self, data: TrainData | None) -> None:
         cfg, t = self.cfg, self.cfg.training
         self.data = data or load_train_data(cfg, self.run_dir, self.world.is_main)
+        check_train_data(self.data, cfg.target, self.spec.vocab_size, self._warn)
         self.batcher = TokenBudgetBatcher(
             self.data.train.lengths,
             cfg.data.token_budget,
@@ -194,7 +223,7 @@ class Trainer(Stepper):
         ckpt_root = cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints")
         log = _warn if self.world.is_main else _quiet
         self.checkpointer = Checkpointer(
-            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log=log
+            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log, not self.dry_run
         )
         self.step = 0
         self.micro_steps = 0  # micro-steps drawn (empty steps draw without stepping)
@@ -205,13 +234,16 @@ class Trainer(Stepper):
         self.tokens_seen = 0
         if resume:
             data = self.checkpointer.load()
+            check_checkpoint(self, data)  # what trained it, beside this run's config
             restore_state(self, data)
             self._log(f"resumed from {data.location} at step {self.step}")
 
     def _build_metrics(self, resume: bool) -> None:
         self.metrics = MetricsLog(self.run_dir, enabled=self.world.is_main)
         # Rows past the resumed step are redone; a fresh start redoes them all.
-        self.metrics.truncate_after(self.step if resume else 0)
+        damaged = self.metrics.truncate_after(self.step if resume else 0)
+        if damaged:
+            self._warn(f"{self.metrics.path}: dropped {damaged} damaged row(s) (not JSON rows)")
         self._stop_signal: int | None = None
         # The step function: the fast step (fixed shapes, graphs) or the Stepper's own.
         self.fast, why = build_fast_step(self)
@@ -223,55 +255,10 @@ class Trainer(Stepper):
         if self.console:
             print(f"[dflash] {msg}", flush=True)
 
-    def _init_output_norm(self) -> None:
-        """Scale the drafter's final norm so its first logits have unit spread.
-
-        Logits are the target's lm_head applied to norm(h). With a unit norm weight the
-        random first outputs come out as confident as the lm_head's scale allows (SmolLM2:
-        initial CE ~23 against ~11 for uniform), and the first steps are spent only
-        shrinking that scale. With weight c = 1 / (std(lm_head) * sqrt(H)) a random
-        direction gives logits of std ~1: the loss starts near log(V).
-        """
-        w = self.target.lm_head_weight.float()
-        c = 1.0 / (float(w.std()) * math.sqrt(w.shape[1]))
-        with torch.no_grad():
-            self.drafter.norm.weight.fill_(c)
-
-    def _init_drafter_from(self, path: str) -> None:
-        from dflash_trainer.formats.drafter_io import load_drafter
-
-        try:
-            spec, state, _ = load_drafter(path)
-        except DFlashError:
-            from dflash_trainer.formats.export import import_drafter
-
-            spec, state, _ = import_drafter(path)
-        diffs = init_differences(spec, self.spec)
-        if diffs:
-            raise DFlashError(
-                f"drafter.init_from={path}: its geometry differs from this config's: {diffs}; "
-                "make the drafter section match the imported drafter"
-            )
-        missing, unexpected = self.drafter.load_state_dict(
-            {k: v.float() for k, v in state.items()}, strict=False
-        )
-        # Only a DFlash backbone starting a DFlash2 run may lack tensors: the convolutions
-        # and the selector, which then keep their no-op initialisation.
-        new_modules = spec.kind == "dflash" and self.spec.is_dflash2
-        lacking = [k for k in missing if not (new_modules and is_dflash2_tensor(k))]
-        if lacking or unexpected:
-            raise DFlashError(
-                f"drafter.init_from={path}: weights do not match this drafter (missing "
-                f"{lacking[:5]}, unexpected {unexpected[:5]})"
-            )
-        if new_modules:
-            self._log(
-                "DFlash2 modules (convolutions, selector) start as no-ops on the DFlash "
-                "backbone: the drafter drafts exactly as it did until its first step"
-            )
-        self.inherited = Inheritance.of(path, state)
-        n = len((self.inherited.parent or {}).get("continuations", []))
-        self._log(f"drafter initialised from {path} (its lineage: {n} continuations)")
+    def _warn(self, msg: str) -> None:
+        """On stderr, from rank 0 alone, whatever log_to_console says."""
+        if self.world.is_main:
+            _warn(msg)
 
     # ------------------------------------------------------------------- loop
 
@@ -310,6 +297,7 @@ class Trainer(Stepper):
                 self.prefetch.close()
             bar.close()
             self.metrics.close()
+            self.release()
         return {"step": self.step, "stopped": False, "checkpoint": last_ckpt}
 
     def _loop(self, bar: Any) -> dict[str, Any] | None:
