@@ -39,6 +39,7 @@ from dflash_trainer.formats.check import (
 )
 from dflash_trainer.formats.dflash2_layout import bare_codebooks, kind_mismatch
 from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, write_drafter_dir
+from dflash_trainer.formats.safetensors_check import check_finite
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     spec_from_speculators_config,
@@ -192,6 +193,7 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
         spec, notes = spec_from_speculators_config(cfg, where, n_target)
         meta["target"] = {"name_or_path": verifier_name(cfg)}
     state = read_weights(p)
+    check_finite(state, str(p))
     dropped = sorted(k for k in state if k in VERIFIER_TENSORS)
     state = {k: v for k, v in state.items() if k not in VERIFIER_TENSORS}
     if dropped:  # the target's own tensors: this project uses the live target's copies
