@@ -100,6 +100,16 @@ class _Bounded(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.done = int(self.inner.seek(offset, whence))  # gzip: a rewind decompresses again
+        return self.done
+
+    def tell(self) -> int:
+        return self.done
+
     def readinto(self, b: Any) -> int:
         data = self.inner.read(len(b))
         self.done += len(data)
@@ -133,8 +143,8 @@ def read_input_bytes(path: str | Path, what: str = "input") -> bytes:
         return f.read()
 
 
-def read_small_text(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES) -> str:
-    """A small UTF-8 file (config, manifest, spec) read whole; a larger one is refused."""
+def read_small_bytes(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES) -> bytes:
+    """A small file (config, manifest, spec) read whole; a larger one is refused."""
     p = Path(path)
     with open_regular(p, what) as f:
         data = f.read(max_bytes + 1)
@@ -142,6 +152,13 @@ def read_small_text(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYT
         raise DFlashError(
             f"{what} {p} is larger than {max_bytes:,} bytes; that is not a {what} (check the path)"
         )
+    return data
+
+
+def read_small_text(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES) -> str:
+    """`read_small_bytes` decoded as UTF-8 (an error names the line)."""
+    p = Path(path)
+    data = read_small_bytes(p, what, max_bytes)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -162,3 +179,18 @@ def inside(root: str | Path, name: str, what: str) -> Path:
     if not path.resolve().is_relative_to(real_root):
         raise DFlashError(f"{what}: {path} leads outside {base} (a link?); copy the file in")
     return path
+
+
+def check_model_dir(path: str | Path, what: str) -> None:
+    """A local model or tokenizer directory holds only files and folders: a FIFO or a device
+    among them would block (or never end) inside the library that reads it."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    for entry in sorted(p.iterdir())[:10_000]:
+        try:
+            mode = os.stat(entry).st_mode
+        except OSError:
+            continue  # a dangling link: the library names it if it needs it
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise _refuse(entry, mode, f"{what}: file")

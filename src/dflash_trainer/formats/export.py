@@ -53,6 +53,7 @@ from dflash_trainer.formats.zlab import (
     spec_from_zlab_config,
     zlab_config,
 )
+from dflash_trainer.input_files import read_small_text
 
 FORMATS = ("zlab", "speculators")
 Imported = tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]
@@ -94,7 +95,10 @@ def target_info(name: str | None, gguf_file: str | None = None) -> tuple[Any, se
     sources = [cfg]
     gen = Path(name) / "generation_config.json"
     if gen.is_file():  # stop tokens of chat models often live only here
-        sources.append(json.loads(gen.read_text()))
+        try:
+            sources.append(json.loads(read_small_text(gen, "generation config")))
+        except (ValueError, RecursionError) as e:
+            raise DFlashError(f"{gen}: not valid JSON ({e}); fix or remove the file") from e
     for src in sources:
         for key in ("eos_token_id", "pad_token_id"):
             value = src.get(key) if isinstance(src, dict) else getattr(src, key, None)
@@ -382,7 +386,10 @@ def _card_base_model(d: Path) -> str | None:
     card = d / "README.md"
     if not card.is_file():
         return None
-    text = card.read_text()
+    try:
+        text = read_small_text(card, "model card")
+    except DFlashError:
+        return None  # the card only names the target; a damaged one names none
     if not text.startswith("---"):
         return None
     for line in text.split("---", 2)[1].splitlines():

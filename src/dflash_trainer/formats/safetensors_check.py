@@ -172,6 +172,15 @@ def check_safetensors(path: str | Path, root: str | Path | None = None) -> dict[
     return tensors
 
 
+def check_model_weights(path: str | Path) -> None:
+    """Every safetensors file of a local model directory, header-checked before a library
+    maps it (a hub id or a file is left to the library)."""
+    d = Path(path)
+    if d.is_dir():
+        for f in sorted(d.glob("*.safetensors")):
+            check_safetensors(f, root=d)
+
+
 def load_checked(path: str | Path, root: str | Path | None = None) -> dict[str, torch.Tensor]:
     """`safetensors.torch.load_file` after `check_safetensors`."""
     check_safetensors(path, root)
