@@ -104,7 +104,7 @@ def test_a_manifest_cannot_name_shards_outside_its_directory(tmp_path, capsys):
         bad = [dict(entries[0], name=name)]
         manifest = {"format": "dflash-prepared", "version": 1, "splits": {"train": {"shards": bad}}}
         (d / MANIFEST).write_text(json.dumps(manifest))
-        with pytest.raises(DFlashError, match="not a plain name|leads outside"):
+        with pytest.raises(DFlashError, match=r"not a plain name|leads outside"):
             PreparedDataset(d)
     (d / "link").symlink_to(tmp_path / "outside")
     manifest["splits"]["train"]["shards"] = [dict(entries[0], name="link")]
