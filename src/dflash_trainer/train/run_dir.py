@@ -24,6 +24,7 @@ import yaml
 
 from dflash_trainer.config import Config, config_to_dict
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.redact import NOTE, redact_argv, redact_config
 from dflash_trainer.train.checkpoint import existing_checkpoints, remove_checkpoints
 
 
@@ -65,9 +66,13 @@ def package_versions() -> dict[str, str]:
 
 def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    info = {
-        "argv": argv if argv is not None else sys.argv,
+    # Credentials stay out of the run directory (redact.py); a note says where they go.
+    data, dropped = redact_config(config_to_dict(cfg))
+    note = NOTE.format(names=", ".join(dropped)) if dropped else None
+    head = f"# {note}\n" if note else ""
+    (run_dir / "config.yaml").write_text(head + yaml.safe_dump(data, sort_keys=False))
+    info: dict[str, Any] = {
+        "argv": redact_argv(list(argv if argv is not None else sys.argv)),
         "versions": package_versions(),
         "git_sha": git_sha(),
         "host": socket.gethostname(),
@@ -79,6 +84,8 @@ def write_run_files(run_dir: Path, cfg: Config, argv: list[str] | None) -> None:
         old = json.loads(path.read_text())
         history = [*old.get("history", []), {k: v for k, v in old.items() if k != "history"}]
     info["history"] = history
+    if note:
+        info["redacted"] = {"run.storage_options": dropped, "note": note}
     path.write_text(json.dumps(info, indent=2) + "\n")
 
 
