@@ -108,3 +108,14 @@ def run_command(
     assert rc in (0, 1, 2, 130), (rc, argv, text[-2000:])
     counts["clean"] += 1
     counts[f"exit_{rc}"] += 1
+
+
+def go_offline(monkeypatch: Any) -> None:
+    """No example may reach the network: the hub and datasets answer from the local cache
+    only (huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is set too)."""
+    import huggingface_hub.constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)

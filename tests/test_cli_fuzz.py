@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fuzz_support import FUZZ, run_command, show
+from fuzz_support import FUZZ, go_offline, run_command, show
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cli_numbers import command_parsers
@@ -144,10 +144,7 @@ def invocations(draw: st.DrawFn, paths: list[str], tmp: Path) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch) -> None:
-    """No example may reach the network: the hub and datasets answer from the cache only."""
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    go_offline(monkeypatch)
 
 
 @settings(

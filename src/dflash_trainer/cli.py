@@ -113,10 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         # Repository code of a target runs only when the command line says so.
         with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
             return int(run(args) or 0)
-    except SystemExit:  # argparse's own usage errors and --help
-        raise
-    except BaseException as e:  # the one error boundary: cli_errors.py says what is shown
-        return report(command, e, debug)
+    except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
+        return report(command, e, debug)  # SystemExit (argparse, --help) passes through
 
 
 if __name__ == "__main__":
