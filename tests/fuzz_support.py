@@ -1,5 +1,6 @@
-"""What the two fuzzers (config and data) share: their hypothesis settings, a per-example time
-limit and a report line that shows at the end of the module without `-s`."""
+"""What the fuzzers (config, data, command line, damaged artifacts) share: their hypothesis
+settings, a per-example time limit, a report line that shows at the end of the module without
+`-s`, and one command line run through `dflash`'s error boundary and classified."""
 
 from __future__ import annotations
 
@@ -70,3 +71,51 @@ def show(request: Any, line: str) -> None:
             reporter.write_line(f"\n{line}")
     else:
         print(line)
+
+
+def run_command(
+    argv: list[str], capsys: Any, counts: Any, failures: list[str], wall_seconds: float = 20
+) -> None:
+    """Run `dflash ARGV` through `cli.main` and classify it in `counts`: clean (success, a
+    usage error, a user error, a failed check), a traceback (an internal error, exit 70, or
+    one that escaped) or a hang (over the time limit). A traceback or a hang fails the
+    example, naming the command line."""
+    from dflash_trainer import cli
+    from dflash_trainer.cli_errors import INTERNAL_ERROR
+
+    counts["tried"] += 1
+    try:
+        with time_limit(10, "command", wall_seconds=wall_seconds):
+            try:
+                rc = cli.main(argv)
+            except SystemExit as e:  # argparse: a usage error (2) or --help (0)
+                rc = e.code if isinstance(e.code, int) else 2
+                counts["usage_errors"] += 1
+    except pytest.fail.Exception:
+        counts["hangs"] += 1
+        failures.append(f"hang: {argv}")
+        raise
+    except Exception as e:
+        counts["tracebacks"] += 1
+        failures.append(f"escaped {type(e).__name__}: {argv}")
+        raise
+    out = capsys.readouterr()
+    text = out.out + out.err
+    if rc == INTERNAL_ERROR or "Traceback (most recent call last)" in text:
+        counts["tracebacks"] += 1
+        failures.append(f"{text.strip().splitlines()[-1][:300]}: {argv}")
+        pytest.fail(f"internal error for {argv}:\n{text[-3000:]}")
+    assert rc in (0, 1, 2, 130), (rc, argv, text[-2000:])
+    counts["clean"] += 1
+    counts[f"exit_{rc}"] += 1
+
+
+def go_offline(monkeypatch: Any) -> None:
+    """No example may reach the network: the hub and datasets answer from the local cache
+    only (huggingface_hub reads HF_HUB_OFFLINE once, at import: its constant is set too)."""
+    import huggingface_hub.constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)

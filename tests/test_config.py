@@ -33,6 +33,18 @@ def test_dotted_overrides_parse_yaml_values():
     assert cfg.training.compile is False
 
 
+def test_free_form_maps_are_bounded_at_load():
+    for override, message in [
+        ("target.hf_config_overrides={rms_norm_eps: .nan}", "rms_norm_eps: must be a finite"),
+        ("run.storage_options={a: {b: {c: {d: {e: 1}}}}}", "nested more than 4 levels"),
+        ("run.storage_options={a: " + "x" * 5000 + "}", "at most 4096"),
+        ("run.storage_options={a: [" + ",".join(["1"] * 300) + "]}", "too many values"),
+        ("run.storage_options={1: a}", "keys must be strings"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=[override])
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -225,7 +237,12 @@ def tiny_target_dir(tmp_path):
         ),
         ("{num_hidden_layers: 2.5}", r"num_hidden_layers is int"),
         ("{num_hidden_layers: 0}", r"num_hidden_layers counts or sizes something; must be >= 1"),
-        ("{rms_norm_eps: .nan}", r"rms_norm_eps is float"),
+        ("{rms_norm_eps: abc}", r"rms_norm_eps is float"),
+        (
+            "{rms_norm_ep: 1.0}",
+            r"has no field 'rms_norm_ep'; fields with a similar name: .*rms_norm_eps",
+        ),
+        ("{to_dict: 1}", r"has no field 'to_dict'"),
         ("{tie_word_embeddings: 3}", r"tie_word_embeddings is bool"),
     ],
 )

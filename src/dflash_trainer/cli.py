@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash_trainer import __version__
-from dflash_trainer.config import ConfigError
+from dflash_trainer.cli_errors import debug_requested, report
 from dflash_trainer.config_cli import in_command_line_order
-from dflash_trainer.errors import DFlashError
 from dflash_trainer.target.configs import remote_code_granted
 
 
@@ -68,6 +67,12 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
         description="Train DFlash speculative-decoding drafters and prove they work.",
     )
     parser.add_argument("--version", action="version", version=f"dflash-trainer {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an unexpected error (also DFLASH_DEBUG=1); "
+        "may stand anywhere on the command line",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
@@ -99,23 +104,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is global and may stand anywhere before a `--`: taken out before parsing.
+    end = argv.index("--") if "--" in argv else len(argv)
+    debug = debug_requested("--debug" in argv[:end])
+    argv = [a for i, a in enumerate(argv) if i >= end or a != "--debug"]
     selected = next((a for a in argv if not a.startswith("-")), None)
-    parser = _build_parser(selected if selected in COMMANDS else None)
-    args = _parse(parser, argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    run: Callable[[argparse.Namespace], int] = args._run
+    command = selected if selected in COMMANDS else "(no command)"
     try:
+        parser = _build_parser(selected if selected in COMMANDS else None)
+        args = _parse(parser, argv)
+        if args.command is None:
+            parser.print_help()
+            return 0
+        run: Callable[[argparse.Namespace], int] = args._run
         # Repository code of a target runs only when the command line says so.
         with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
             return int(run(args) or 0)
-    except (ConfigError, DFlashError, FileNotFoundError) as e:
-        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"dflash {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
+        return report(command, e, debug)  # SystemExit (argparse, --help) passes through
 
 
 if __name__ == "__main__":

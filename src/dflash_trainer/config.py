@@ -11,6 +11,7 @@ because a typo that silently falls back to a default is how multi-day runs go wr
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -32,6 +33,12 @@ from dflash_trainer.config_sections import (
     TargetConfig,
     TrainingConfig,
 )
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_text
+from dflash_trainer.yaml_input import strict_load
+
+CONFIG_BYTES = 4 << 20
+"""A config is a few kilobytes; a file of megabytes named by --config is another file."""
 
 __all__ = [
     "GEOMETRY_PRESETS",
@@ -85,10 +92,13 @@ def _override_value(item: str, raw: str) -> Any:
     if not raw.strip():
         return None
     try:
-        return yaml.safe_load(raw)
+        return strict_load(raw)
+    except (RecursionError, ValueError, OverflowError) as e:
+        raise ConfigError(f"override {item!r}: the value is not a config value ({e})") from e
     except yaml.YAMLError as e:
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(
-            f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); "
+            f"override {item!r}: the value is not valid YAML ({what}); "
             "quote strings, write lists as [a, b]"
         ) from e
 
@@ -153,31 +163,25 @@ def recipe_path(name: str) -> Path:
     return path
 
 
-def _decode(p: Path, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"config file {str(p)!r}: line {line} is not UTF-8 (byte {raw[e.start]:#04x} at "
-            f"offset {e.start}); save the file as UTF-8"
-        ) from e
-
-
 def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A config or recipe file: a regular UTF-8 file of YAML without aliases or duplicate
+    keys (yaml_input.py says why), holding a mapping."""
     p = Path(path)
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = _decode(p, p.read_bytes())
     try:
-        data = yaml.safe_load(text)
+        text = read_small_text(p, "config file", CONFIG_BYTES)
+    except DFlashError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        data = strict_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}: {what}") from e
-    except RecursionError as e:
-        raise ConfigError(f"config file {str(p)!r}: nested too deeply to be a config") from e
+    except (RecursionError, ValueError, OverflowError) as e:  # depth; a date like 2001-02-30
+        raise ConfigError(f"config file {str(p)!r}: not a config ({type(e).__name__}: {e})") from e
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -220,6 +220,8 @@ def check_section(obj: Any, section: str) -> None:
         rule = f.metadata.get("rule")
         if rule is not None and value is not None:
             check_value(value, rule, path)
+        elif isinstance(value, dict):  # a free-form map with no rule of its own
+            check_free_map(value, path)
 
 
 def check_value(value: Any, rule: Rule, path: str) -> None:
@@ -234,12 +236,45 @@ def check_value(value: Any, rule: Rule, path: str) -> None:
             bad = [k for k in value if not (isinstance(k, str) and _NAME.match(k))]
             if bad:
                 fail(path, f"keys must be field names (letters, digits, _), got {bad[:3]}")
+        check_free_map(value, path)
         return
     if isinstance(value, str):
         _check_string(value, rule, path)
         return
     if isinstance(value, int | float) and not isinstance(value, bool):
         _check_range(value, rule, path)
+
+
+FREE_MAP_DEPTH = 4
+FREE_MAP_ITEMS = 256
+FREE_MAP_STRING = 4096
+
+
+def check_free_map(value: Any, path: str, depth: int = 0, budget: list[int] | None = None) -> None:
+    """A free-form map (storage_options, hf_config_overrides) holds plain YAML values, at most
+    FREE_MAP_DEPTH deep, FREE_MAP_ITEMS values in all and strings of FREE_MAP_STRING chars:
+    what such options need, and not a way to smuggle megabytes into every run's config."""
+    budget = [FREE_MAP_ITEMS] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        fail(path, f"too many values in this map (at most {FREE_MAP_ITEMS} in all)")
+    if isinstance(value, dict | list | tuple):
+        if depth >= FREE_MAP_DEPTH:
+            fail(path, f"nested more than {FREE_MAP_DEPTH} levels deep")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(value, dict) and not isinstance(k, str):
+                fail(path, f"keys must be strings, got {k!r}")
+            check_free_map(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]",
+                           depth + 1, budget)  # fmt: skip
+    elif isinstance(value, str):
+        if len(value) > FREE_MAP_STRING:
+            fail(path, f"a string of {len(value)} characters; at most {FREE_MAP_STRING}")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            fail(path, f"must be a finite number, got {value!r}")
+    elif not (value is None or isinstance(value, int | bool)):
+        fail(path, f"must be a plain value (text, number, true/false, list, map), got {value!r}")
 
 
 def _check_length(n: int, rule: Rule, path: str, unit: str) -> None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
 from dflash_trainer.data.loop_tails import LOOP_TAILS
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = sub.add_parser("stats", help="statistics of a prepared directory or a prompts file")
     s.add_argument("path", type=Path)
     s.add_argument("--split", default="all", help="train, eval or all")
-    s.add_argument("--budget", type=int, default=8192)
+    s.add_argument("--budget", type=num.count(), default=8192)
     s.add_argument("--png", type=Path, help="write a length histogram PNG here")
     s.add_argument("--verify", action="store_true", help="check every shard's sha256")
     parser.set_defaults(_data_parser=parser)
@@ -46,9 +47,9 @@ def _add_prepare(sub: Any) -> None:
         help="asset:<name>, a directory, a .gguf file, DIR::FILE.gguf or a hub id",
     )
     p.add_argument("--out", required=True, type=Path, help="the prepared directory to write")
-    p.add_argument("--max-records", type=int, help="read at most N source records")
-    p.add_argument("--max-tokens", type=int, help="skip documents longer than N tokens")
-    p.add_argument("--eval-fraction", type=float, default=0.02)
+    p.add_argument("--max-records", type=num.count(), help="read at most N source records")
+    p.add_argument("--max-tokens", type=num.count(), help="skip documents longer than N tokens")
+    p.add_argument("--eval-fraction", type=num.fraction(open_high=True), default=0.02)
     p.add_argument(
         "--loop-tails",
         choices=LOOP_TAILS,
@@ -62,7 +63,9 @@ def _add_prepare(sub: Any) -> None:
         default="default",
         help="enable_thinking for Qwen3-style templates",
     )
-    p.add_argument("--budget", type=int, default=8192, help="token budget shown in the stats")
+    p.add_argument(
+        "--budget", type=num.count(), default=8192, help="token budget shown in the stats"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a different preparation")
     prompts_cli.add_exclude_lineage(p)
 
@@ -74,21 +77,23 @@ def _add_regenerate(sub: Any) -> None:
     r.add_argument("--model", default="asset:smollm2-135m-instruct", help="the target")
     r.add_argument("--tokenizer", help="defaults to --model")
     r.add_argument("--out", required=True, type=Path, help="JSONL output (appended, resumable)")
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=int, default=512)
+    r.add_argument("--temperature", type=num.temperature(), default=0.0)
+    r.add_argument("--top-p", type=num.fraction(open_low=True), default=1.0)
+    r.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=512)
     r.add_argument("--thinking", choices=sorted(_THINKING), default="default")
     r.add_argument(
-        "--batch-size", type=int, help="rows at once (default: 256 on the static engine, 32 on hf)"
+        "--batch-size",
+        type=num.count(1, 1 << 16),
+        help="rows at once (default: 256 on the static engine, 32 on hf)",
     )
-    r.add_argument("--max-records", type=int, help="read at most N source records")
+    r.add_argument("--max-records", type=num.count(), help="read at most N source records")
     r.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=num.count(0),
         default=4096,
         help="a longer prompt ends its conversation (0: no limit)",
     )
-    r.add_argument("--max-turns", type=int, help="answer only the first N user turns")
+    r.add_argument("--max-turns", type=num.count(), help="answer only the first N user turns")
     r.add_argument(
         "--time-limit",
         type=_positive_seconds,
@@ -103,7 +108,7 @@ def _add_regenerate(sub: Any) -> None:
     )
     r.add_argument(
         "--max-conversation-tokens",
-        type=int,
+        type=num.count(),
         help="end a conversation at the last turn whose render fits N tokens (default: no limit)",
     )
     r.add_argument(
@@ -117,7 +122,7 @@ def _add_regenerate(sub: Any) -> None:
     add_server_arguments(r)
     r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=num.seed(), default=0)
     r.add_argument("--no-progress", action="store_true")
     prompts_cli.add_exclude_lineage(r)
 
@@ -365,17 +370,21 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument("--model", default="asset:smollm2-135m-instruct", help="the target")
     y.add_argument("--tokenizer", help="defaults to --model")
     y.add_argument("--out", required=True, type=Path, help="JSONL of kept prompts (resumable)")
-    y.add_argument("--n", type=int, required=True, help="prompts to sample (items 0..N-1)")
+    y.add_argument(
+        "--n", type=num.count(1, 10**9), required=True, help="prompts to sample (items 0..N-1)"
+    )
     y.add_argument("--system", help="system prompt (default: the template's own)")
     y.add_argument("--topics", help="comma-separated topic hints, e.g. math,code,chat,writing")
-    y.add_argument("--temperature", type=float, default=1.0)
-    y.add_argument("--top-p", type=float, default=1.0)
-    y.add_argument("--max-new-tokens", type=int, default=256)
-    y.add_argument("--min-chars", type=int, default=12)
-    y.add_argument("--max-chars", type=int, default=4000)
-    y.add_argument("--near-duplicate", type=float, default=0.7, help="word-trigram Jaccard")
+    y.add_argument("--temperature", type=num.temperature(), default=1.0)
+    y.add_argument("--top-p", type=num.fraction(open_low=True), default=1.0)
+    y.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=256)
+    y.add_argument("--min-chars", type=num.count(0, 1 << 24), default=12)
+    y.add_argument("--max-chars", type=num.count(1, 1 << 24), default=4000)
+    y.add_argument(
+        "--near-duplicate", type=num.fraction(), default=0.7, help="word-trigram Jaccard"
+    )
     y.add_argument("--thinking", choices=sorted(_THINKING), default="default")
-    y.add_argument("--batch-size", type=int, default=64, help="engine rows")
+    y.add_argument("--batch-size", type=num.count(1, 1 << 16), default=64, help="engine rows")
     y.add_argument(
         "--backend",
         choices=["static", "hf", "openai"],
@@ -386,7 +395,7 @@ def _add_synthesize(sub: Any) -> None:
     add_server_arguments(y)
     y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
-    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--seed", type=num.seed(), default=0)
     y.add_argument("--no-progress", action="store_true")
 
 

@@ -131,10 +131,9 @@ def guard_file(path: Path, values: Iterator[T]) -> Iterator[T]:
 
 def read_file_bytes(path: Path) -> bytes:
     """The file's (decompressed) bytes; any failure is a DFlashError naming the file."""
-    import gzip
+    from dflash_trainer.input_files import read_input_bytes
 
     try:
-        data = path.read_bytes()
-        return gzip.decompress(data) if path.name.endswith(".gz") else data
+        return read_input_bytes(path)
     except FILE_ERRORS as e:
         raise file_error(path, e) from e

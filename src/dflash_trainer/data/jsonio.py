@@ -13,7 +13,6 @@ failure means (a counted skip, or an error naming the file) is decided in `guard
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import io
 import json
@@ -25,6 +24,7 @@ from typing import Any
 
 from dflash_trainer.data.guard import BadValue, check_bom, decode_json, guard_file, nbytes
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_input, read_input_bytes
 
 RECORD_KEYS = frozenset(
     {"conversations", "messages", "input_ids", "prompt", "text", "question", "instruction", "turns"}
@@ -45,7 +45,7 @@ def looks_like_record(value: Any) -> bool:
 def _open_text(path: Path) -> io.TextIOWrapper:
     """Text of a (gzipped) file. surrogateescape: an invalid UTF-8 byte damages only the record
     holding it (`bad_utf8`), it is not silently replaced; a UTF-8 byte-order mark is skipped."""
-    raw: Any = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    raw: Any = open_input(path)
     try:
         skip = check_bom(raw.read(4), path)
         raw.seek(skip)
@@ -116,9 +116,11 @@ def iter_yaml(path: Path) -> Iterator[Any]:
     """
     import yaml
 
-    data = path.read_bytes()
+    from dflash_trainer.yaml_input import strict_load
+
+    data = read_input_bytes(path)
     try:
-        doc = yaml.safe_load(data[check_bom(data[:4], path) :].decode("utf-8"))
+        doc = strict_load(data[check_bom(data[:4], path) :].decode("utf-8"))
     except UnicodeDecodeError:
         yield BadValue(len(data), "bad_utf8")
         return

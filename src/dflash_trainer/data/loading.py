@@ -16,7 +16,8 @@ from typing import Any
 
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.data.jsonio import HFDataset, require_datasets
-from dflash_trainer.errors import DFlashError
+from dflash_trainer.errors import DFlashError, about
+from dflash_trainer.input_files import check_model_dir
 
 
 def tokenizer_spec(tcfg: Any) -> str:
@@ -82,11 +83,13 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     where, gguf = split_spec(spec)
+    check_model_dir(where, f"tokenizer {spec}")
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
     try:
-        return AutoTokenizer.from_pretrained(where, **kwargs)
+        with about(f"the tokenizer {str(spec)!r}"):
+            return AutoTokenizer.from_pretrained(where, **kwargs)
     except OSError as e:
         raise DFlashError(
             f"cannot load a tokenizer from {spec!r}: {e}. Pass asset:<name>, a local directory, "
@@ -112,8 +115,13 @@ def load_causal_lm(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
+    check_model_dir(where, f"model {spec}")
+    from dflash_trainer.formats.safetensors_check import check_model_weights
+
+    check_model_weights(where)
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        with about(f"the model {str(spec)!r}"):
+            model: Any = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except OSError as e:
         raise DFlashError(f"cannot load a causal LM from {spec!r}: {e}") from e
     return model.to(device).eval()

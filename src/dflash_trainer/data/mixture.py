@@ -34,6 +34,7 @@ from dflash_trainer.data.decontam import RULES, EvalIndex
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import SourceReport, describe_skip, read_source
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_bytes
 
 SIDECAR_FORMAT = "dflash-prompt-sources"
 SIDECAR_VERSION = 1
@@ -323,8 +324,8 @@ def read_sidecar(path: Path) -> dict[str, Any] | None:
     if not counts_path.is_file():
         return None
     try:
-        data: dict[str, Any] = json.loads(counts_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data: dict[str, Any] = json.loads(read_small_bytes(counts_path, "sources sidecar"))
+    except (ValueError, RecursionError) as e:
         raise DFlashError(
             f"{counts_path} is damaged ({e}); run `dflash data prompts` again or delete it"
         ) from e

@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.data.openai_client import ENDPOINTS, Answer, OpenAIClient
 from dflash_trainer.data.sampling import item_key
 from dflash_trainer.data.settings import GenerationSettings
@@ -169,9 +170,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="completions: token prompts rendered here (exact); chat: messages, the server's "
         "chat template",
     )
-    g.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    g.add_argument("--retries", type=int, default=5, help="tries after the first on 429/5xx")
+    g.add_argument("--concurrency", type=num.count(1, 4096), default=8, help="requests in flight")
+    g.add_argument(
+        "--timeout", type=num.positive(86400.0), default=600.0, help="seconds per request"
+    )
+    g.add_argument(
+        "--retries", type=num.integer(0, 100), default=5, help="tries after the first on 429/5xx"
+    )
     g.add_argument(
         "--api-key-env",
         metavar="VAR",

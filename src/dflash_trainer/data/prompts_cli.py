@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.data.decontam import (
     BUILTIN_EVALS,
     DEFAULT_NGRAM,
@@ -46,14 +47,18 @@ def add_parser(sub: Any) -> None:
         default=",".join(RULES),
         help=f"comma-separated decontamination rules (default: all of {','.join(RULES)})",
     )
-    p.add_argument("--ngram", type=int, default=DEFAULT_NGRAM, help="n-gram size in words")
+    p.add_argument(
+        "--ngram", type=num.count(1, 64), default=DEFAULT_NGRAM, help="n-gram size in words"
+    )
     p.add_argument(
         "--near-dup-containment",
-        type=float,
+        type=num.fraction(open_low=True),
         default=DEFAULT_CONTAINMENT,
         help="share of an eval text's shingles a prompt must hold to be its near duplicate",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-source order and caps")
+    p.add_argument(
+        "--seed", type=num.seed(), default=0, help="seed of the per-source order and caps"
+    )
     add_exclude_lineage(p)
 
 

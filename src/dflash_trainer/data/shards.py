@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import check_regular, inside, open_regular, read_small_bytes
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "dflash-prepared"
@@ -48,7 +50,7 @@ class Document:
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, "file") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -131,7 +133,7 @@ class ShardWriter:
 def load_manifest(mpath: Path, fix: str) -> dict[str, Any]:
     """A manifest file's JSON object; a damaged or foreign file is a DFlashError ending in `fix`."""
     try:
-        manifest = json.loads(mpath.read_bytes())
+        manifest = json.loads(read_small_bytes(mpath, "manifest"))
     except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
         raise DFlashError(f"{mpath} is damaged: not readable JSON ({e}); {fix}") from e
     if not isinstance(manifest, dict):
@@ -143,7 +145,7 @@ def load_manifest(mpath: Path, fix: str) -> dict[str, Any]:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     mpath = Path(path) / MANIFEST
-    if not mpath.is_file():
+    if not os.path.lexists(mpath):
         raise DFlashError(
             f"{path} is not a prepared dataset (no {MANIFEST}); create one with "
             "`dflash data prepare --input ... --out DIR`"
@@ -157,23 +159,57 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+_AGAIN = "prepare the data again (or copy the directory again)"
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DFlashError(f"{path}: not a readable .npy array ({e}); {_AGAIN}") from e
+
+
+def _offsets(d: Path, n_tokens: int) -> np.ndarray:
+    """The shard's document offsets, checked against its tokens: they start at 0, grow, and
+    end at the token count, so no document reads outside tokens.bin."""
+    off = _load_npy(d / "offsets.npy")
+    ok = off.ndim == 1 and len(off) >= 1 and np.issubdtype(off.dtype, np.integer)
+    ok = ok and int(off[0]) == 0 and int(off[-1]) == n_tokens and bool(np.all(np.diff(off) > 0))
+    if not ok:
+        raise DFlashError(
+            f"{d / 'offsets.npy'}: offsets do not describe {n_tokens} tokens of documents "
+            f"(damaged); {_AGAIN}"
+        )
+    return off.astype(np.int64)
+
+
 class _Shard:
     """One shard, opened lazily: nothing is mapped until a document of it is read."""
 
     def __init__(self, root: Path, entry: dict[str, Any]) -> None:
-        self.name: str = entry["name"]
-        self.dir = root / self.name
+        where = f"{root / MANIFEST}: a shard entry"
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if not isinstance(files, dict) or sorted(files) != sorted(SHARD_FILES):
+            raise DFlashError(f"{where} is damaged (files {SHARD_FILES} expected); {_AGAIN}")
+        # The manifest names the shard: it must be a directory inside the prepared one.
+        self.name: str = entry.get("name")  # type: ignore[assignment]
+        self.dir = inside(root, self.name, f"{where} names a shard that")
         self.entry = entry
-        for f, meta in entry["files"].items():
-            p = self.dir / f
-            if not p.is_file():
-                raise DFlashError(f"shard {self.name}: {f} is missing from {self.dir}")
-            if p.stat().st_size != meta["bytes"]:
+        for f, meta in files.items():
+            p = inside(self.dir, f, f"shard {self.name}")
+            if not os.path.lexists(p):
+                raise DFlashError(f"shard {self.name}: {f} is missing from {self.dir}; {_AGAIN}")
+            size = check_regular(p, f"shard {self.name}: file").st_size
+            expected = meta.get("bytes") if isinstance(meta, dict) else None
+            if size != expected:
                 raise DFlashError(
-                    f"shard {self.name}: {f} has {p.stat().st_size} bytes, the manifest says "
-                    f"{meta['bytes']}: the shard is truncated or replaced; prepare the data again"
+                    f"shard {self.name}: {f} has {size} bytes, the manifest says "
+                    f"{expected}: the shard is truncated or replaced; {_AGAIN}"
                 )
-        self.offsets: np.ndarray = np.load(self.dir / "offsets.npy")
+        n_tokens, rest = divmod(files["tokens.bin"]["bytes"], 4)
+        if rest or files["mask.bin"]["bytes"] != n_tokens:
+            raise DFlashError(f"shard {self.name}: tokens.bin and mask.bin disagree; {_AGAIN}")
+        self.offsets: np.ndarray = _offsets(self.dir, n_tokens)
         self._tokens: np.ndarray | None = None
         self._mask: np.ndarray | None = None
         self._doc_ids: np.ndarray | None = None
@@ -182,7 +218,9 @@ class _Shard:
         self._tokens = np.memmap(self.dir / "tokens.bin", dtype="<i4", mode="r")
         # uint8 0/1 viewed as bool: no copy, same bytes.
         self._mask = np.memmap(self.dir / "mask.bin", dtype=np.uint8, mode="r").view(np.bool_)
-        self._doc_ids = np.load(self.dir / "doc_ids.npy")
+        self._doc_ids = _load_npy(self.dir / "doc_ids.npy")
+        if self._doc_ids.shape != (len(self.offsets) - 1,) or self._doc_ids.dtype.kind != "S":
+            raise DFlashError(f"{self.dir / 'doc_ids.npy'}: not this shard's ids; {_AGAIN}")
 
     def document(self, j: int) -> Document:
         if self._tokens is None:
@@ -213,11 +251,16 @@ class PreparedDataset:
     def __init__(self, path: str | Path, split: str = "train") -> None:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        splits = self.manifest["splits"]
+        splits = self.manifest.get("splits")
+        if not isinstance(splits, dict) or not all(isinstance(k, str) for k in splits):
+            raise DFlashError(f"{self.path / MANIFEST}: no map of splits (damaged); {_AGAIN}")
         if split not in splits:
             raise DFlashError(f"{self.path} has no split {split!r}; it has {sorted(splits)}")
         self.split = split
-        self._shards = [_Shard(self.path, e) for e in splits[split]["shards"]]
+        entries = splits[split].get("shards") if isinstance(splits[split], dict) else None
+        if not isinstance(entries, list):
+            raise DFlashError(f"{self.path / MANIFEST}: split {split!r} lists no shards; {_AGAIN}")
+        self._shards = [_Shard(self.path, e) for e in entries]
         counts = [len(s.offsets) - 1 for s in self._shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.lengths: np.ndarray = (

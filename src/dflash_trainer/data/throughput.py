@@ -19,6 +19,7 @@ import json
 import time
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.data.formats import read_records
 from dflash_trainer.data.hf_generate import HFBatchGenerator, per_prompt_generate
 from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
@@ -82,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="asset:smollm2-135m-instruct")
     p.add_argument("--input", default="asset:sharegpt")
-    p.add_argument("--prompts", type=int, default=512)
-    p.add_argument("--baseline-prompts", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--prompts", type=num.count(), default=512)
+    p.add_argument("--baseline-prompts", type=num.count(0), default=8)
+    p.add_argument("--batch-size", type=num.count(1, 1 << 16), default=256)
+    p.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=128)
+    p.add_argument("--max-prompt-tokens", type=num.count(), default=2048)
+    p.add_argument("--temperature", type=num.temperature(), default=0.0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)

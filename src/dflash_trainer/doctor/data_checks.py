@@ -7,7 +7,9 @@ of an even sample, which the mask-token check scans too.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import numpy as np
 from dflash_trainer.config import Config
 from dflash_trainer.doctor.report import Check
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_input
 
 MAX_SCAN_TOKENS = 20_000_000
 """Tokens scanned for the mask id: documents evenly spaced over the dataset up to this."""
@@ -50,7 +53,7 @@ def load_data_sample(path: str | Path, max_tokens: int = MAX_SCAN_TOKENS) -> Dat
             docs.append(d.input_ids)
             ids.append(d.doc_id)
         return DataSample(lengths, ds.supervised_counts(), docs, ids, f"{p} (prepared)")
-    if p.is_file():
+    if os.path.lexists(p):
         return _jsonl_sample(p, max_tokens)
     raise DFlashError(f"--data {p}: neither a prepared dataset (manifest.json) nor a JSONL file")
 
@@ -58,14 +61,14 @@ def load_data_sample(path: str | Path, max_tokens: int = MAX_SCAN_TOKENS) -> Dat
 def _jsonl_sample(p: Path, max_tokens: int) -> DataSample:
     lengths, sup, docs, ids = [], [], [], []
     scanned = 0
-    with p.open() as f:
+    with io.TextIOWrapper(open_input(p, "--data file"), encoding="utf-8") as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
                 row = [int(x) for x in rec["input_ids"]]
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:
                 raise DFlashError(
                     f"{p}:{n + 1}: expected a JSON object with input_ids ({e})"
                 ) from e

@@ -27,6 +27,7 @@ from dflash_trainer.core.geometry import (
 )
 from dflash_trainer.doctor.report import Check, Status
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_text
 
 # Published DFlash drafters, keyed by (model_type, hidden, layers) of their target, so a
 # local copy of the target is recognised too. Geometry: z-lab's drafter configs.
@@ -304,9 +305,9 @@ def check_init_from(cfg: Config, t: Any) -> list[Check]:
 
     try:
         theirs = DrafterSpec.from_dict(
-            json.loads((resolve_drafter_dir(path) / SPEC_FILE).read_text())
+            json.loads(read_small_text(resolve_drafter_dir(path) / SPEC_FILE, "drafter spec"))
         )
-    except (DFlashError, json.JSONDecodeError, TypeError, KeyError) as e:
+    except (DFlashError, ValueError, RecursionError, TypeError, KeyError, AttributeError) as e:
         return [
             Check(
                 "geometry.init_from",

@@ -38,6 +38,7 @@ from dflash_trainer.doctor.training_checks import (
     environment,
 )
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_text
 from dflash_trainer.plan.hardware import Hardware, get_hardware
 
 
@@ -55,8 +56,11 @@ def _tokenizer(cfg: Config) -> Any:
 def _generation_config(cfg: Config) -> dict[str, Any] | None:
     path = Path(cfg.target.name_or_path) / "generation_config.json"
     if path.is_file():
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
+        try:
+            data = json.loads(read_small_text(path, "generation config"))
+        except (ValueError, RecursionError) as e:
+            raise DFlashError(f"{path}: not valid JSON ({e}); fix or remove the file") from e
+        return data if isinstance(data, dict) else None
     return None
 
 

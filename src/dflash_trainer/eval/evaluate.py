@@ -28,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.eval.loading import check_compatible, load_eval_models
@@ -180,21 +181,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma list of gsm8k, mt-bench, humaneval or JSONL files",
     )
     p.add_argument(
-        "--max-samples", type=int, default=d.max_samples, help="prompts per set (0 = all)"
+        "--max-samples", type=num.count(0), default=d.max_samples, help="prompts per set (0 = all)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=d.max_new_tokens)
     p.add_argument(
-        "--temperature", type=float, default=d.temperature, help="0 = greedy + lossless check"
+        "--temperature",
+        type=num.temperature(),
+        default=d.temperature,
+        help="0 = greedy + lossless check",
     )
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed, help="prompt subset and sampling seed")
+    p.add_argument("--top-p", type=num.fraction(open_low=True), default=d.top_p)
+    p.add_argument(
+        "--seed", type=num.seed(), default=d.seed, help="prompt subset and sampling seed"
+    )
     p.add_argument(
         "--enable-thinking",
         action="store_true",
         help="pass enable_thinking=True to the chat template",
     )
     p.add_argument(
-        "--block-size", type=int, help="draft fewer slots than the drafter was trained with"
+        "--block-size",
+        type=num.count(1, 4096),
+        help="draft fewer slots than the drafter was trained with",
     )
     p.add_argument(
         "--no-baseline",
@@ -219,7 +227,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--candidates",
-        type=int,
+        type=num.count(0, 1 << 16),
         default=0,
         metavar="K",
         help="at temperature 0, also walk the answers for the oracle top-K tau and per-slot "
@@ -227,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--candidate-responses",
-        type=int,
+        type=num.count(1, 1 << 20),
         default=10,
         help="answers walked for --candidates per prompt set",
     )

@@ -13,7 +13,7 @@ numbers use it too); HumanEval asks for the function completed in a Python code 
 
 from __future__ import annotations
 
-import gzip
+import io
 import json
 import random
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ from typing import Any
 
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_input
 
 Messages = list[dict[str, str]]
 
@@ -50,8 +51,7 @@ class PromptSet:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    opener: Any = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with io.TextIOWrapper(open_input(path, "prompts file"), encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

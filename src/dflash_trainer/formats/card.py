@@ -18,6 +18,7 @@ from dflash_trainer import __version__
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.dflash2_layout import ARCHITECTURE_V2
+from dflash_trainer.input_files import read_small_text
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -104,8 +105,8 @@ def read_eval_report(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     p = p / "eval.json" if p.is_dir() else p
     try:
-        report = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+        report = json.loads(read_small_text(p, "eval report"))
+    except (OSError, ValueError, RecursionError, DFlashError) as e:
         raise DFlashError(
             f"--eval {path}: cannot read a `dflash eval` report ({e}); pass the eval.json "
             "(or its --out-dir) that `dflash eval` wrote"

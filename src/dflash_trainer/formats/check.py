@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from dflash_trainer.formats.check_config import (
 from dflash_trainer.formats.check_dflash2 import check_dflash2_config, check_dflash2_numbers
 from dflash_trainer.formats.check_speculators import check_speculators_config
 from dflash_trainer.formats.dflash2_layout import CODEBOOKS, kind_mismatch
+from dflash_trainer.formats.safetensors_check import check_safetensors
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     VOCAB_MAP_TENSORS,
@@ -39,6 +41,7 @@ from dflash_trainer.formats.speculators import (
 )
 from dflash_trainer.formats.weights import weight_files
 from dflash_trainer.formats.zlab import expected_tensor_shapes, spec_from_zlab_config
+from dflash_trainer.input_files import read_small_text
 
 __all__ = [
     "DTYPES",
@@ -60,8 +63,7 @@ def _expected(
     kind than the config's are one error, and the rest is checked as the kind they are."""
     names: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            names |= set(sf.keys())
+        names |= set(check_safetensors(f, root=f.parent))
     mismatch = kind_mismatch(kind, names)
     if mismatch:
         r.error("architectures", *mismatch)
@@ -79,10 +81,10 @@ def _check_tensors(
 ) -> None:
     try:
         files = weight_files(d)
+        expected, skip = _expected(files, spec, kind, r)
     except DFlashError as e:
         r.error("model.safetensors", str(e), "export again with `dflash export`")
         return
-    expected, skip = _expected(files, spec, kind, r)
     seen: set[str] = set()
     dtypes: set[torch.dtype] = set()
     for f in files:
@@ -150,11 +152,11 @@ def _check_one(
 
 def read_config(d: Path) -> dict[str, Any]:
     path = d / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise DFlashError(f"{d}: no config.json; give an exported drafter directory")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(read_small_text(path, "drafter config"))
+    except (ValueError, RecursionError) as e:
         raise DFlashError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(cfg, dict):
         raise DFlashError(f"{path}: must hold a JSON object")

@@ -15,15 +15,18 @@ Run directory layout (written by the trainer):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.safetensors_check import check_finite, load_checked
+from dflash_trainer.input_files import inside, read_small_text
 from dflash_trainer.lineage.record import LINEAGE_FILES
 
 SPEC_FILE = "spec.json"
@@ -86,7 +89,8 @@ def resolve_drafter_dir(path: str | Path) -> Path:
         return p / "drafter"
     latest = p / "checkpoints" / "LATEST"
     if latest.is_file():
-        cand = p / "checkpoints" / latest.read_text().strip()
+        name = read_small_text(latest, "checkpoint pointer", 4096).strip()
+        cand = inside(p / "checkpoints", name, f"{latest} names a checkpoint that")
         if (cand / SPEC_FILE).is_file():
             return cand
     raise DFlashError(
@@ -98,16 +102,28 @@ def resolve_drafter_dir(path: str | Path) -> Path:
 def load_drafter(path: str | Path) -> tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]:
     """(spec, fp32-or-stored-dtype state dict, meta) from a run, checkpoint or files dir."""
     d = resolve_drafter_dir(path)
+    raw = _json_object(d / SPEC_FILE, "drafter spec")
     try:
-        spec = DrafterSpec.from_dict(json.loads((d / SPEC_FILE).read_text()))
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise DFlashError(f"{d / SPEC_FILE}: not a valid drafter spec ({e})") from e
-    if not (d / WEIGHTS_FILE).is_file():
+        spec = DrafterSpec.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DFlashError(f"{d / SPEC_FILE}: not a valid drafter spec ({e!r})") from e
+    if not os.path.lexists(d / WEIGHTS_FILE):
         raise DFlashError(f"{d}: {WEIGHTS_FILE} is missing")
-    state = load_file(str(d / WEIGHTS_FILE))
+    state = load_checked(d / WEIGHTS_FILE, root=d)
+    check_finite(state, str(d / WEIGHTS_FILE))
     meta_path = d / META_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta = _json_object(meta_path, "drafter meta") if os.path.lexists(meta_path) else {}
     return spec, state, meta
+
+
+def _json_object(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(read_small_text(path, what))
+    except (ValueError, RecursionError) as e:
+        raise DFlashError(f"{path}: not a valid {what} ({e}); write it again") from e
+    if not isinstance(data, dict):
+        raise DFlashError(f"{path}: not a valid {what} (a JSON object is expected)")
+    return data
 
 
 def build_drafter(path: str | Path, device: str | torch.device = "cpu") -> Any:

@@ -39,6 +39,7 @@ from dflash_trainer.formats.check import (
 )
 from dflash_trainer.formats.dflash2_layout import bare_codebooks, kind_mismatch
 from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, load_drafter, write_drafter_dir
+from dflash_trainer.formats.safetensors_check import check_finite
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     spec_from_speculators_config,
@@ -52,6 +53,7 @@ from dflash_trainer.formats.zlab import (
     spec_from_zlab_config,
     zlab_config,
 )
+from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import LINEAGE_FILES
 
 FORMATS = ("zlab", "speculators")
@@ -94,7 +96,10 @@ def target_info(name: str | None, gguf_file: str | None = None) -> tuple[Any, se
     sources = [cfg]
     gen = Path(name) / "generation_config.json"
     if gen.is_file():  # stop tokens of chat models often live only here
-        sources.append(json.loads(gen.read_text()))
+        try:
+            sources.append(json.loads(read_small_text(gen, "generation config")))
+        except (ValueError, RecursionError) as e:
+            raise DFlashError(f"{gen}: not valid JSON ({e}); fix or remove the file") from e
     for src in sources:
         for key in ("eos_token_id", "pad_token_id"):
             value = src.get(key) if isinstance(src, dict) else getattr(src, key, None)
@@ -193,6 +198,7 @@ def import_drafter(path: str | Path, target: str | None = None) -> Imported:
         spec, notes = spec_from_speculators_config(cfg, where, n_target)
         meta["target"] = {"name_or_path": verifier_name(cfg)}
     state = read_weights(p)
+    check_finite(state, str(p))
     dropped = sorted(k for k in state if k in VERIFIER_TENSORS)
     state = {k: v for k, v in state.items() if k not in VERIFIER_TENSORS}
     if dropped:  # the target's own tensors: this project uses the live target's copies
@@ -422,7 +428,10 @@ def _card_base_model(d: Path) -> str | None:
     card = d / "README.md"
     if not card.is_file():
         return None
-    text = card.read_text()
+    try:
+        text = read_small_text(card, "model card")
+    except DFlashError:
+        return None  # the card only names the target; a damaged one names none
     if not text.startswith("---"):
         return None
     for line in text.split("---", 2)[1].splitlines():

@@ -15,6 +15,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.lineage.record import (
     LINEAGE_FILE,
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--name", help="the drafter's name in a side-by-side comparison JSON")
     a.add_argument(
         "--continuation",
-        type=int,
+        type=num.integer(0),
         help="attach to this continuation (default: the last, whose weights are in DIR); an "
         "earlier one's drafter measured again, e.g. the start drafter beside the new one",
     )
@@ -67,10 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a JSONL file whose `id`s the drafter trained on (prompts or regenerated "
         "conversations; their turns are counted as assistant turns when present); repeatable",
     )
-    i.add_argument("--steps", type=int, required=True)
-    i.add_argument("--assistant-turns", type=int, help="the trained turns, when known in total")
-    i.add_argument("--supervised-tokens", type=int)
-    i.add_argument("--documents", type=int)
+    i.add_argument("--steps", type=num.integer(0), required=True)
+    i.add_argument(
+        "--assistant-turns", type=num.integer(0), help="the trained turns, when known in total"
+    )
+    i.add_argument("--supervised-tokens", type=num.integer(0))
+    i.add_argument("--documents", type=num.integer(0))
     i.add_argument("--note", default="", help="where the numbers come from")
     p.set_defaults(_lineage_parser=p)
 

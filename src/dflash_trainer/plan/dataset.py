@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflash_trainer.config import Config
+from dflash_trainer.data.shards import read_manifest
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.plan.workload import DataStats
 
@@ -53,8 +53,10 @@ def prepared_dir(cfg: Config) -> Path | None:
 
 
 def _prepared_stats(path: Path, supervised_fraction: float | None) -> DataStats:
-    manifest = json.loads((path / "manifest.json").read_text())
-    train = manifest.get("splits", {}).get("train", {})
+    manifest = read_manifest(path)
+    splits = manifest.get("splits")
+    train = splits.get("train", {}) if isinstance(splits, dict) else {}
+    train = train if isinstance(train, dict) else {}
     try:
         from dflash_trainer.data.shards import PreparedDataset
 

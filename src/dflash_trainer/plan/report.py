@@ -12,6 +12,7 @@ import json
 import math
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer import config_cli
 from dflash_trainer.config import Config
 from dflash_trainer.plan.dataset import check_plan_data, data_stats
@@ -26,17 +27,19 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h200", choices=hardware_names())
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in the run (default: 1 rank)")
+    p.add_argument(
+        "--gpus", type=num.count(1, 65536), default=None, help="GPUs in the run (default: 1 rank)"
+    )
     p.add_argument("--placement", choices=["colocated", "pairs"], default=None)
-    for flag, what in (
-        ("--memory-gb", "memory per GPU"),
-        ("--bf16-tflops", "dense bf16 peak"),
-        ("--fp8-tflops", "dense FP8 peak"),
-        ("--bandwidth-gbs", "memory bandwidth"),
-        ("--link-gbs", "GPU-to-GPU bandwidth per direction"),
-        ("--efficiency", "achieved / peak matmul rate"),
+    for flag, what, kind in (
+        ("--memory-gb", "memory per GPU", num.positive(1e6)),
+        ("--bf16-tflops", "dense bf16 peak", num.positive(1e6)),
+        ("--fp8-tflops", "dense FP8 peak", num.positive(1e6)),
+        ("--bandwidth-gbs", "memory bandwidth", num.positive(1e6)),
+        ("--link-gbs", "GPU-to-GPU bandwidth per direction", num.positive(1e6)),
+        ("--efficiency", "achieved / peak matmul rate", num.fraction(open_low=True)),
     ):
-        p.add_argument(flag, type=float, default=None, help=f"{what} (custom or override)")
+        p.add_argument(flag, type=kind, default=None, help=f"{what} (custom or override)")
 
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
@@ -63,9 +66,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     add_hardware_arguments(p)
     p.add_argument("--data", help="prepared dataset dir (default: data.train if prepared)")
-    p.add_argument("--samples", type=int, help="documents in the training set")
-    p.add_argument("--mean-tokens", type=float, help="mean tokens per document")
-    p.add_argument("--supervised-fraction", type=float, help="fraction of tokens with loss")
+    p.add_argument("--samples", type=num.count(), help="documents in the training set")
+    p.add_argument("--mean-tokens", type=num.positive(2**31), help="mean tokens per document")
+    p.add_argument(
+        "--supervised-fraction",
+        type=num.fraction(open_low=True),
+        help="fraction of tokens with loss",
+    )
     p.add_argument(
         "--target-precision",
         choices=["bf16", "fp8", "both"],

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.data.openai_client import OpenAIClient
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.serve.served import (
@@ -204,9 +205,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True, help="run dir, checkpoint or export")
     p.add_argument("--target", help="default: the target recorded with the drafter")
     p.add_argument("--prompts", default="gsm8k", help="comma list, as `dflash eval --prompts`")
-    p.add_argument("--max-samples", type=int, default=10, help="prompts per set (0 = all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="the prompt subset, as in `dflash eval`")
+    p.add_argument("--max-samples", type=num.count(0), default=10, help="prompts per set (0 = all)")
+    p.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=128)
+    p.add_argument(
+        "--seed", type=num.seed(), default=0, help="the prompt subset, as in `dflash eval`"
+    )
     p.add_argument("--out", type=Path, default=Path("serve_check.json"), help="the JSON report")
     p.add_argument(
         "--base-url",
@@ -216,11 +219,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="with --base-url: the served model name (default: its only one)")
     p.add_argument("--vllm-python", help="the vLLM virtualenv's python (default: .venv-vllm)")
     p.add_argument("--dtype", default="float32", help="target and drafter dtype on both sides")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds")
+    p.add_argument("--startup-timeout", type=num.positive(86400.0), default=900.0, help="seconds")
     p.add_argument(
-        "--kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache size (CPU backend)"
+        "--kv-cache-gib",
+        type=num.positive(4096.0),
+        default=1.0,
+        help="vLLM's KV cache size (CPU backend)",
     )
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=num.count(16, 1 << 24), default=4096)
     p.add_argument("--log", type=Path, help="keep the server's log here (default: a temp file)")
 
 

@@ -9,6 +9,7 @@ exact hub id that is not a local path.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,8 @@ from typing import Any
 
 from dflash_trainer.assets import resolve_source
 from dflash_trainer.config import TargetConfig
-from dflash_trainer.errors import DFlashError
+from dflash_trainer.errors import DFlashError, about
+from dflash_trainer.input_files import check_model_dir
 
 _QWEN36_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 16
 
@@ -173,7 +175,9 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 kw["gguf_file"] = gguf
             if tcfg.revision:
                 kw["revision"] = tcfg.revision
-            cfg = AutoConfig.from_pretrained(name, **kw)
+            check_model_dir(name, "target.name_or_path")
+            with about(f"the config of target.name_or_path={tcfg.name_or_path!r}"):
+                cfg = AutoConfig.from_pretrained(name, **kw)
         except (OSError, ValueError) as e:
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot read its config ({e}). "
@@ -196,8 +200,14 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
     value to set (YAML 1.1 reads `1e-6` as a string: a float field takes it as a number)."""
     where = f"target.hf_config_overrides.{key}"
     cls = type(text).__name__
-    if not hasattr(text, key):
-        raise DFlashError(f"{where}: the target config ({cls}) has no field {key!r}")
+    fields = sorted(text.to_dict()) if hasattr(text, "to_dict") else []
+    if key not in fields and (not hasattr(text, key) or callable(getattr(text, key))):
+        near = difflib.get_close_matches(key, fields, n=5, cutoff=0.5)
+        hint = f"; fields with a similar name: {near}" if near else ""
+        raise DFlashError(
+            f"{where}: the target config ({cls}) has no field {key!r}{hint}; an override "
+            "sets a field the target's config.json already has"
+        )
     current = getattr(text, key)
     if current is None or value is None:
         return value

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_trainer.config import TargetConfig
-from dflash_trainer.errors import DFlashError
+from dflash_trainer.errors import DFlashError, about
+from dflash_trainer.formats.safetensors_check import check_model_weights
+from dflash_trainer.input_files import check_model_dir
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -102,8 +104,11 @@ def load_target_model(
             kw["gguf_file"] = gguf
         if tcfg.revision:
             kw["revision"] = tcfg.revision
+        check_model_dir(name, "target.name_or_path")
+        check_model_weights(name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(name, **kw)
+            with about(f"the model target.name_or_path={tcfg.name_or_path!r}"):
+                model = AutoModelForCausalLM.from_pretrained(name, **kw)
         except (OSError, ValueError) as e:
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"

@@ -45,7 +45,7 @@ from typing import Any
 import fsspec
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from dflash_trainer.atomic_dir import MARKER, atomic_directory, fsync_path, remove_stale
 from dflash_trainer.core.geometry import DrafterSpec
@@ -133,14 +133,17 @@ def _damaged_files(d: Path) -> list[str] | None:
 
 def _read_files(d: Path, name: str, location: str) -> CheckpointData:
     from dflash_trainer.formats.drafter_io import META_FILE, SPEC_FILE, WEIGHTS_FILE
+    from dflash_trainer.formats.safetensors_check import load_checked
 
-    drafter_state = load_file(str(d / WEIGHTS_FILE))
+    # Headers checked before loading: a checkpoint without checksums (loaded with a warning)
+    # must not make the loader read a header that lies about its size.
+    drafter_state = load_checked(d / WEIGHTS_FILE, d)
     opt = unflatten_optimizer(
-        load_file(str(d / "optimizer.safetensors")),
+        load_checked(d / "optimizer.safetensors", d),
         json.loads((d / "optimizer.json").read_text()),
     )
     trainer_state = _checked_trainer_state(json.loads((d / "trainer_state.json").read_text()))
-    rng = load_file(str(d / "trainer_state.safetensors"))
+    rng = load_checked(d / "trainer_state.safetensors", d)
     spec = json.loads((d / SPEC_FILE).read_text()) if (d / SPEC_FILE).is_file() else {}
     meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
     if not isinstance(spec, dict) or not isinstance(meta, dict):
@@ -369,7 +372,7 @@ class Checkpointer:
                 return None, ", ".join(bad)
             try:
                 data = _read_files(local, name, f"{self.root}/{name}")
-            except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+            except (OSError, ValueError, KeyError, TypeError, SafetensorError, DFlashError) as e:
                 # A checkpoint without checksums (older code): a file that does not parse.
                 return None, f"unreadable ({type(e).__name__}: {e})"
             if bad is None:

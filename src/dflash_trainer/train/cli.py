@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import Config, ConfigError, load_config
 from dflash_trainer.config_cli import add_config_arguments
 from dflash_trainer.errors import DFlashError
@@ -43,7 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-doctor", action="store_true", help="do not run the pre-flight checks")
     p.add_argument(
-        "--gpus", type=int, default=None, help="launch N ranks on this node with torchrun"
+        "--gpus",
+        type=num.count(1, 65536),
+        default=None,
+        help="launch N ranks on this node with torchrun",
     )
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from dflash_trainer.config import Config, config_to_dict
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.redact import NOTE, redact_argv, redact_config
 from dflash_trainer.train.checkpoint import existing_checkpoints, remove_checkpoints
 
 
@@ -76,9 +77,13 @@ def write_run_files(
 
     A damaged run_info.json is kept aside (never lost) and the history starts over, said."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # Credentials stay out of the run directory (redact.py); a note says where they go.
+    data, dropped = redact_config(config_to_dict(cfg))
+    note = NOTE.format(names=", ".join(dropped)) if dropped else None
+    head = f"# {note}\n" if note else ""
+    _write_atomic(run_dir / "config.yaml", head + yaml.safe_dump(data, sort_keys=False))
     info: dict[str, Any] = {
-        "argv": argv if argv is not None else sys.argv,
+        "argv": redact_argv(list(argv if argv is not None else sys.argv)),
         "versions": package_versions(),
         "git_sha": git_sha(),
         "host": socket.gethostname(),
@@ -93,6 +98,8 @@ def write_run_files(
         info["history"] = []
     if changes:  # resume_check.Change objects
         info["config_changes"] = [c.to_dict() for c in changes]
+    if note:
+        info["redacted"] = {"run.storage_options": dropped, "note": note}
     _write_atomic(run_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
 
 
