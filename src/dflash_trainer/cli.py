@@ -90,6 +90,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     the `b=2` is left over. For commands that take overrides those words join them,
     and all overrides are put back in command-line order (later wins).
     """
+    for word in argv:
+        flag, eq, value = word.partition("=")
+        # argparse turns `--flag=--` into an empty list where one value was meant, which
+        # every later check then misreads: refused here, for every flag at once.
+        if flag.startswith("--") and eq and value == "--":
+            parser.error(f"{flag}=--: give {flag} a value ('--' only ends the options)")
     args, extra = parser.parse_known_args(argv)
     if not hasattr(args, "overrides"):
         if extra:

@@ -108,6 +108,13 @@ def user_message(e: BaseException) -> str | None:
             f"a safetensors file is damaged or not safetensors{_context(e)}: {_first_line(e)}; "
             "replace it with an intact copy (export or download it again)"
         )
+    if isinstance(e, ValueError) and "embedded null byte" in str(e):
+        # The OS refuses a path holding NUL: it came from a value the user gave (a YAML
+        # string, a flag set from a program), never from the tool's own names.
+        return (
+            f"a path or name holds a NUL byte{_context(e)}; remove it from the value given "
+            "on the command line or in the config"
+        )
     if isinstance(e, UnicodeDecodeError):
         return (
             f"a file is not UTF-8 text{_context(e)} ({_first_line(e)}); save it as UTF-8 "
