@@ -11,7 +11,7 @@ speedup over the target alone (both decoded the same way, CUDA graphs on a GPU),
 temperature 0 the candidate walk over the first answers (--candidates K): the drafter's
 walked tau, the oracle top-K tau and per-slot recall@1 / recall@K.
 `--also NAME=RUN:sampling` evaluates a drafter once more with another draft sampling at
-temperature > 0 (e.g. DFlash with drafts sampled from its own distribution).
+temperature > 0 (e.g. `:greedy`, a drafter's argmax drafts; by default both kinds sample).
 
 Writes OUT/dflash2_vs_dflash.json as {"<name>": {"<set>": {"t0": {...}, "t1": {...}}}} after
 every measurement (a run cut short keeps what it measured) and OUT/<name>_<set>_t<T>.json

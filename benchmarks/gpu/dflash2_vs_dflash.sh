@@ -14,7 +14,7 @@
 #   train_b16  dflash_b16 and dflash2_b16 from INIT, both at once on the GPU (their
 #              throughput is not what this measures)
 #   train_b8   dflash_b8 and dflash2_b8 from INIT (block 8, gamma 4), likewise
-#   eval       every trained drafter served side by side (plus dflash_b16 with drafts sampled
+#   eval       every trained drafter served side by side (plus dflash_b16 with argmax drafts
 #              from its own distribution at t > 0), then the weights packed
 # Inputs: REGEN (the target's answers to 10,752 ShareGPT prompts, kept in benchmarks/results),
 #   INIT (the published drafter; training waits up to INIT_WAIT seconds for it to appear),
@@ -22,8 +22,8 @@
 #   (benchmarks/offline_bundle.sh carries them to a machine without a registry).
 # Knobs: STEPS (300), LR (2e-4), WARMUP (0.1), BUDGET (32768 tokens a step), ANCHORS (2048),
 #   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
-#   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), SAMPLED_DFLASH (1: also
-#   dflash_b16 with sampled drafts at t > 0),
+#   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), GREEDY_DFLASH (1: also
+#   dflash_b16_greedy, its argmax drafts at t > 0; the drafters themselves sample there),
 #   DEVICE (cuda; cpu rehearses with tiny knobs), OUT (benchmarks/out/dflash2_vs_dflash),
 #   RET ($OUT/ret).
 # Outputs: $OUT/eval/dflash2_vs_dflash.json and a report per drafter, set and temperature;
@@ -87,8 +87,8 @@ eval_all() {
   for name in dflash_b16 dflash2_b16 dflash_b8 dflash2_b8; do
     [ -d "$OUT/$name/drafter" ] && args+=(--drafter "$name=$OUT/$name")
   done
-  if [ "${SAMPLED_DFLASH:-1}" = 1 ] && [ -d "$OUT/dflash_b16/drafter" ]; then
-    args+=(--also "dflash_b16_sampled=$OUT/dflash_b16:sample")
+  if [ "${GREEDY_DFLASH:-1}" = 1 ] && [ -d "$OUT/dflash_b16/drafter" ]; then
+    args+=(--also "dflash_b16_greedy=$OUT/dflash_b16:greedy")
   fi
   local dev=()
   [ "$DEVICE" = cuda ] || dev=(--device cpu --decode eager)

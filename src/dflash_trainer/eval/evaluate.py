@@ -209,6 +209,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the target-only runs (no speedup, no lossless check)",
     )
+    _add_decoding_arguments(p)
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (logs of detached jobs)"
+    )
+    p.add_argument("--json", help="write the JSON report here")
+    p.add_argument("--out-dir", help="write eval.json, eval.md and PNG plots here")
+    p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when the lossless check fails")  # fmt: skip
+
+
+def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    """How the loop decodes and drafts, and the t=0 candidate walk."""
     p.add_argument(
         "--decode",
         choices=DECODE_MODES,
@@ -222,8 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DRAFT_SAMPLING,
         default="auto",
         help="at temperature > 0: sample drafts from the drafter (rejection sampling keeps the "
-        "output exact) or draft greedily; auto samples with DFlash2's selector walk and drafts "
-        "greedily with DFlash",
+        "output exact) or draft greedily; auto samples (DFlash2 through its selector walk)",
     )
     p.add_argument(
         "--candidates",
@@ -239,12 +249,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=10,
         help="answers walked for --candidates per prompt set",
     )
-    p.add_argument(
-        "--no-progress", action="store_true", help="no progress bars (logs of detached jobs)"
-    )
-    p.add_argument("--json", help="write the JSON report here")
-    p.add_argument("--out-dir", help="write eval.json, eval.md and PNG plots here")
-    p.add_argument("--allow-mismatch", action="store_true", help="exit 0 even when the lossless check fails")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

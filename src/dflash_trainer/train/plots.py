@@ -53,6 +53,34 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.grid(alpha=0.3)
     save(fig, "loss.png")
 
+    save(_tau_figure(plt, train, evals), "tau.png")
+
+    last = train[-1].get("slot_acc") or []
+    if last:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(range(1, len(last) + 1), last)
+        ax.set_xlabel("slot k")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"per-slot accuracy at step {train[-1]['step']}")
+        save(fig, "slot_accuracy.png")
+
+    if any("selector_tau" in r for r in train):
+        save(*_dflash2_figure(plt, train), "dflash2.png")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a1.plot(steps, [r["lr"] for r in train])
+    a1.set_title("learning rate")
+    a1.set_xlabel("step")
+    a2.plot(steps, [r["tokens_per_s"] for r in train])
+    a2.set_title("tokens/s")
+    a2.set_xlabel("step")
+    save(fig, "lr_throughput.png")
+    return written
+
+
+def _tau_figure(plt: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Any:
+    """In-batch, expected, measured and walked acceptance against the step."""
+    steps = [r["step"] for r in train]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["exact_tau"] for r in train], label="in-batch tau (exact)")
     ax.plot(
@@ -81,29 +109,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     ax.set_title("acceptance")
     ax.grid(alpha=0.3)
     ax.legend()
-    save(fig, "tau.png")
-
-    last = train[-1].get("slot_acc") or []
-    if last:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(range(1, len(last) + 1), last)
-        ax.set_xlabel("slot k")
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"per-slot accuracy at step {train[-1]['step']}")
-        save(fig, "slot_accuracy.png")
-
-    if any("selector_tau" in r for r in train):
-        save(*_dflash2_figure(plt, train), "dflash2.png")
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-    a1.plot(steps, [r["lr"] for r in train])
-    a1.set_title("learning rate")
-    a1.set_xlabel("step")
-    a2.plot(steps, [r["tokens_per_s"] for r in train])
-    a2.set_title("tokens/s")
-    a2.set_xlabel("step")
-    save(fig, "lr_throughput.png")
-    return written
+    return fig
 
 
 def _dflash2_figure(plt: Any, train: list[dict[str, Any]]) -> tuple[Any]:
