@@ -173,3 +173,16 @@ def test_header_check_reads_only_the_header(tmp_path):
     t0 = time.perf_counter()
     assert check_safetensors(f)["w"].shape == (2**29,)
     assert time.perf_counter() - t0 < 1
+
+
+def test_weights_files_follow_the_umask_not_owner_only(export_dir, tmp_path):
+    """safetensors creates its files 0600; a serving engine running as another user must
+    still read an export (and a run's drafter), so the tool's files follow the umask."""
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "again"
+        export_drafter(export_dir, out, fmt="zlab")
+    finally:
+        os.umask(old)
+    weights = [p for p in out.iterdir() if p.suffix == ".safetensors"]
+    assert weights and all(p.stat().st_mode & 0o777 == 0o644 for p in weights)

@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.formats.safetensors_check import check_finite, load_checked
+from dflash_trainer.formats.safetensors_check import check_finite, load_checked, save_safetensors
 from dflash_trainer.input_files import inside, read_small_text
 from dflash_trainer.lineage.record import LINEAGE_FILES
 
@@ -44,7 +43,7 @@ def save_drafter_files(
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(d / WEIGHTS_FILE))
+    save_safetensors(tensors, d / WEIGHTS_FILE)
     (d / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
     (d / META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str) + "\n")
     return d

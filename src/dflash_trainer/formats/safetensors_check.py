@@ -199,3 +199,17 @@ def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
                 f"{where}: tensor {name!r} holds NaN or inf; the drafter is damaged or its "
                 "training diverged: use an earlier checkpoint"
             )
+
+
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None
+) -> None:
+    """`safetensors.torch.save_file`, then the file's mode from the umask like any other
+    file the tool writes: safetensors creates it owner-only (0600), which a serving engine
+    running as another user, or a shared drafter directory, cannot read."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.formats.safetensors_check import load_checked
+from dflash_trainer.formats.safetensors_check import load_checked, save_safetensors
 from dflash_trainer.input_files import inside, read_small_text
 
 WEIGHTS_NAME = "model.safetensors"
@@ -58,8 +57,8 @@ def read_weights(d: Path) -> dict[str, torch.Tensor]:
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """One file with the metadata transformers' loader requires (`format: pt`)."""
-    save_file(
+    save_safetensors(
         {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-        str(path),
+        path,
         metadata={"format": "pt"},
     )

@@ -45,12 +45,12 @@ from typing import Any
 import fsspec
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from dflash_trainer.atomic_dir import MARKER, atomic_directory, fsync_path, remove_stale
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import save_drafter_files
+from dflash_trainer.formats.safetensors_check import save_safetensors
 from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
 
 LATEST = "LATEST"
@@ -236,11 +236,11 @@ class Checkpointer:
         if pause:
             time.sleep(pause)
         opt_tensors, opt_meta = flatten_optimizer(state.optimizer_state)
-        save_file(opt_tensors, str(d / "optimizer.safetensors"))
+        save_safetensors(opt_tensors, d / "optimizer.safetensors")
         (d / "optimizer.json").write_text(json.dumps(opt_meta))
-        save_file(
+        save_safetensors(
             {k: v.cpu().contiguous() for k, v in state.rng_tensors.items()},
-            str(d / "trainer_state.safetensors"),
+            d / "trainer_state.safetensors",
         )
         (d / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
         # Checksums of the files as written, then the marker: a checkpoint with
