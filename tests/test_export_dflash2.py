@@ -1,7 +1,7 @@
 """DFlash2 in the engine layouts: export, import, `export --check`, the model card, and
 drafting parity with the independent reader of tests/test_export_reader.py (its
-`reference_draft` runs the convolutions, `reference_walk` walks the selector; neither
-shares code with the model class).
+`reference_draft` runs the convolutions, `reference_walk` walks the selector and
+`reference_sampled_walk` samples its walk; none shares code with the model class).
 
 tests/fixtures/zlab-tiny-dflash2 is the published z-lab DFlash2 checkpoint scaled down:
 config.json has the published field set (hidden 64, 2 layers, vocab 97, full_attention
@@ -25,6 +25,7 @@ from test_export_reader import (
     random_model,
     read_export,
     reference_draft,
+    reference_sampled_walk,
     reference_walk,
 )
 
@@ -146,7 +147,25 @@ def drafts_alike(
     torch.testing.assert_close(theirs, ours, atol=TOL, rtol=0)
     tokens, _ = reference_walk(cfg, w, theirs, anchor_token, lm_head)
     assert tokens == ours_tokens
+    sampled_q_alike(model, cfg, w, theirs, anchor_token, lm_head, seed)
     return tokens, (theirs[1:] @ lm_head.T).argmax(-1).tolist()
+
+
+def sampled_q_alike(model: DFlashDrafter, cfg, w, hidden, anchor_token: int, lm_head, seed):
+    """The reader's sampled walk (t = 0.7) returns, along the path it drew, the q rows our
+    selector's lattice gives for that path: q_s = softmax(lattice[s, previous pick] / t)."""
+    selector = model.candidate_selector
+    assert selector is not None
+    g = torch.Generator().manual_seed(seed)
+    tokens, q, cand = reference_sampled_walk(cfg, w, hidden, anchor_token, lm_head, 0.7, g)
+    unary, ours_cand = (hidden[1:] @ lm_head.T).topk(model.spec.selector_top_k, dim=-1)
+    assert torch.equal(cand, ours_cand)
+    with torch.no_grad():
+        lattice = selector.lattice(hidden[1:], torch.tensor(anchor_token), cand, unary)
+    picks = [cand[s].tolist().index(t) for s, t in enumerate(tokens)]
+    rows = [lattice[s, picks[s - 1] if s else 0] for s in range(len(picks))]
+    ours_q = torch.softmax(torch.stack(rows) / 0.7, dim=-1)
+    torch.testing.assert_close(q, ours_q, atol=1e-6, rtol=0)
 
 
 # ------------------------------------------------------------------ export: the layouts

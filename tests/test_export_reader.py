@@ -149,27 +149,61 @@ def attention(cfg: dict, w: dict, i: int, kind: str, x, ctx, q_pos, k_pos, theta
     return linear(attn, w, p + "self_attn.o_proj")
 
 
-def reference_walk(
-    cfg: dict, w: dict, hidden: torch.Tensor, anchor_token: int, lm_head: torch.Tensor
-) -> tuple[list[int], torch.Tensor]:
-    """The DFlash2 selector's greedy path over one block's normed hidden states [B, H]:
-    (drafted tokens, the score rows it chose from [B-1, K]). Slot s >= 1 keeps the top-K
-    tokens of lm_head(hidden[s]) with those logits as unary scores; a candidate c after
-    the token p chosen before (the anchor for slot 1) scores
-    unary(c) + sum_r predecessor_codebook[p, r] * (hidden_projection hidden[s])[r] *
-    successor_codebook[c, r], and the walk takes the best of each row in turn."""
+def reference_selector(cfg: dict, w: dict, hidden: torch.Tensor, lm_head: torch.Tensor):
+    """The DFlash2 selector over one block's normed hidden states [B, H]: (each drafted
+    slot's candidates [B-1, K], score(s, p) = the scores [K] of slot s's candidates after
+    the token p). Slot s >= 1 keeps the top-K tokens of lm_head(hidden[s]) with those
+    logits as unary scores; a candidate c after the token p chosen before (the anchor for
+    slot 1) scores unary(c) + sum_r predecessor_codebook[p, r] *
+    (hidden_projection hidden[s])[r] * successor_codebook[c, r]."""
     top_k = cfg["dflash2"]["selector_top_k"]
     unary, cand = (hidden[1:] @ lm_head.T).topk(top_k, dim=-1)
     gate = hidden[1:] @ w["candidate_selector.hidden_projection.weight"].T
     pred = w["candidate_selector.predecessor_codebook"]
     succ = w["candidate_selector.successor_codebook"]
+
+    def score(s: int, prev: int) -> torch.Tensor:
+        return unary[s] + (pred[prev] * gate[s] * succ[cand[s]]).sum(-1)
+
+    return cand, score
+
+
+def reference_walk(
+    cfg: dict, w: dict, hidden: torch.Tensor, anchor_token: int, lm_head: torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """The selector's greedy path (`reference_selector`): (drafted tokens, the score rows
+    it chose from [B-1, K]); the walk takes the best of each row in turn."""
+    cand, score = reference_selector(cfg, w, hidden, lm_head)
     prev, tokens, rows = anchor_token, [], []
     for s in range(cand.shape[0]):
-        row = unary[s] + (pred[prev] * gate[s] * succ[cand[s]]).sum(-1)
+        row = score(s, prev)
         prev = int(cand[s, int(row.argmax())])
         tokens.append(prev)
         rows.append(row)
     return tokens, torch.stack(rows)
+
+
+def reference_sampled_walk(
+    cfg: dict,
+    w: dict,
+    hidden: torch.Tensor,
+    anchor_token: int,
+    lm_head: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The selector's sampled path: (drafted tokens, q [B-1, K], candidates [B-1, K]).
+    Each slot draws from q = softmax(scores / temperature) over its K candidates, the
+    scores given the token drawn before; q is what the verifier's rejection sampling
+    must use, so it is returned exactly as drawn from."""
+    cand, score = reference_selector(cfg, w, hidden, lm_head)
+    prev, tokens, qs = anchor_token, [], []
+    for s in range(cand.shape[0]):
+        q = torch.softmax(score(s, prev) / temperature, dim=-1)
+        prev = int(cand[s, int(torch.multinomial(q, 1, generator=generator))])
+        tokens.append(prev)
+        qs.append(q)
+    return tokens, torch.stack(qs), cand
 
 
 # ------------------------------------------------------------ the comparisons

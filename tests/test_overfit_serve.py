@@ -10,7 +10,12 @@ The gate runs the served side three ways:
 - `dflash eval` on a bf16 z-lab export of the run (the importer reads it back), and on the
   run's drafter files copied out of the run directory;
 - the speculative loop driving the independent reader of test_export_reader.py, which
-  drafts from a float32 export's config.json + model.safetensors with plain torch ops.
+  drafts from a float32 `dflash export --to zlab` of the run (config.json +
+  model.safetensors) with plain torch ops.
+A DFlash2 drafter (its own fixture, `trained2`) goes through the same three, at t=0 (the
+selector's greedy walk) and at t=1 (its sampled walk, verified by rejection sampling with
+the q it was drawn from: the project's, or the reader's own), over a target made confident
+enough that its t=1 answer is the memorized one (`make_confident`).
 Any disagreement between the training forward (masks, positions, tapped features, labels)
 and what serving computes shows up as tau near 1. The broken variants at the end perturb
 one thing at serve time and check that the gate then fails.
@@ -22,13 +27,19 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from test_export_reader import read_export, reference_draft
+from test_export_reader import (
+    read_export,
+    reference_draft,
+    reference_sampled_walk,
+    reference_walk,
+)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from trainer_utils import VOCAB, write_tiny_target
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -36,6 +47,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from dflash_trainer.cli import main
 from dflash_trainer.config import EvalConfig, config_from_dict
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
+from dflash_trainer.eval.drafting import Proposal
 from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.prompt_run import render_prompt, stop_token_ids
 from dflash_trainer.eval.speculative import DFlashBlockDrafter, generate
@@ -154,6 +166,22 @@ def _config_dict(tmp: Path, target: Path, data: Path, steps: int) -> dict[str, A
     }
 
 
+CONFIDENCE = 2.0**10
+
+
+def make_confident(target_dir: Path) -> None:
+    """Scale the target's final norm by CONFIDENCE: its logits scale by it exactly (a power
+    of two), so its greedy answer, tapped features and argmax labels, and with them the
+    trained drafter, stay bit for bit what they were, while its temperature-1 samples follow
+    the greedy answer (this target's smallest top-2 margin along the answer, ~0.01, becomes
+    ~10 nats), as a trained LM's do on an answer it is sure of. Only then can a drafter
+    that memorized the greedy answer be accepted at t=1."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(CONFIDENCE)
+    model.save_pretrained(target_dir)
+
+
 @dataclasses.dataclass
 class Trained:
     tmp: Path
@@ -162,6 +190,8 @@ class Trained:
     tokenizer: Any
     messages: list[dict[str, str]]
     prompt_ids: list[int]
+    answer: list[int]
+    """The target's greedy answer to the prompt (NEW_TOKENS), which the drafter memorized."""
     run_dir: Path
     train_s: float
 
@@ -176,8 +206,10 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
         torch.set_num_threads(before)
 
 
-def _train(tmp: Path, drafter: dict[str, Any] | None = None) -> Trained:
+def _train(tmp: Path, drafter: dict[str, Any] | None = None, confident: bool = False) -> Trained:
     target_dir = write_tiny_target(tmp / "target")
+    if confident:
+        make_confident(target_dir)
     tok = word_tokenizer()
     tok.save_pretrained(target_dir)  # `dflash eval --target DIR` loads it from there
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -189,7 +221,10 @@ def _train(tmp: Path, drafter: dict[str, Any] | None = None) -> Trained:
     t0 = time.perf_counter()
     Trainer(cfg, log_to_console=False).train()
     train_s = time.perf_counter() - t0
-    return Trained(tmp, target_dir, target, tok, messages, doc[:prompt_len], tmp / "run", train_s)
+    answer = doc[prompt_len : prompt_len + NEW_TOKENS]
+    return Trained(
+        tmp, target_dir, target, tok, messages, doc[:prompt_len], answer, tmp / "run", train_s
+    )
 
 
 # ----------------------------------------------------------------------------- serving
@@ -243,16 +278,31 @@ def test_dflash_eval_on_a_standalone_drafter_directory(trained: Trained) -> None
 
 class ReaderDrafter:
     """A BlockDrafter over the independent reader: plain torch ops on the exported files,
-    the whole context recomputed every step (no cache to get wrong)."""
+    the whole context recomputed every step (no cache to get wrong). A DFlash2 export's
+    drafts are the reader's selector walk: greedy at temperature 0, else sampled and
+    returned with the reader's own q (the loop verifies them by rejection sampling)."""
 
     needs_features = True
 
-    def __init__(self, export_dir: Path, target: FrozenTarget, feature_order: list[int]):
+    def __init__(
+        self,
+        export_dir: Path,
+        target: FrozenTarget,
+        feature_order: list[int],
+        edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    ):
         self.cfg, self.w = read_export(export_dir)
+        if edit is not None:
+            edit(self.w)
         self.block_size = int(self.cfg["dflash_config"]["block_size"])
         self.target = target
         self.order = feature_order  # which tapped layer feeds each slot of the features
         self.feats: list[torch.Tensor] = []
+        self.temperature = 0.0
+        self.generator: torch.Generator | None = None
+
+    def set_sampling(self, temperature: float, generator: torch.Generator | None) -> None:
+        self.temperature, self.generator = temperature, generator
 
     def _add(self, features_SF: torch.Tensor | None) -> None:
         assert features_SF is not None
@@ -263,7 +313,9 @@ class ReaderDrafter:
         self.feats = []
         self._add(features_PF)
 
-    def __call__(self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None
+    ) -> torch.Tensor | Proposal:
         if new_features_SF is not None:
             self._add(new_features_SF)
         feats = torch.cat(self.feats)
@@ -272,16 +324,49 @@ class ReaderDrafter:
         mask = torch.full((self.block_size - 1,), int(self.cfg["dflash_config"]["mask_token_id"]))
         block = self.target.embed(torch.cat([ids_N[-1:], mask])).double()
         hidden = reference_draft(self.cfg, self.w, feats, block, anchor)
-        return (hidden[1:] @ self.target.lm_head_weight.double().t()).argmax(-1)
+        lm_head = self.target.lm_head_weight.double()
+        if "dflash2" not in self.cfg:
+            return (hidden[1:] @ lm_head.t()).argmax(-1)
+        walk = (self.cfg, self.w, hidden, int(ids_N[-1]), lm_head)
+        if self.temperature == 0:
+            return torch.tensor(reference_walk(*walk)[0])
+        tokens, q, cand = reference_sampled_walk(*walk, self.temperature, self.generator)
+        return Proposal(torch.tensor(tokens), q, cand)
 
 
-def reader_tau(trained: Trained, feature_order: list[int]) -> tuple[float, list[int]]:
+def reader_export(trained: Trained) -> Path:
+    """`dflash export --to zlab` of the run, float32 (the reader then reads what was trained)."""
     out = trained.tmp / "zlab_reader"
     if not out.exists():
-        export_drafter(trained.run_dir, out, "zlab", dtype="float32")
-    drafter = ReaderDrafter(out, trained.target, feature_order)
-    g = generate(trained.target, trained.prompt_ids, drafter, max_new_tokens=NEW_TOKENS)
-    return sum(a + 1 for a in g.accepted) / len(g.accepted), g.accepted
+        argv = ["export", str(trained.run_dir), "--to", "zlab", str(out), "--dtype", "float32"]
+        assert main(argv) == 0
+    return out
+
+
+def reader_tau(
+    trained: Trained,
+    feature_order: list[int],
+    temperature: float = 0.0,
+    seeds: Sequence[int] = (0,),
+    edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> tuple[float, list[int]]:
+    """Pooled tau of the speculative loop driving the reader (one response per seed), and
+    the accepted counts; at temperature > 0 each response must be the memorized answer."""
+    drafter = ReaderDrafter(reader_export(trained), trained.target, feature_order, edit)
+    accepted: list[int] = []
+    for seed in seeds:
+        g = generate(
+            trained.target,
+            trained.prompt_ids,
+            drafter,
+            max_new_tokens=NEW_TOKENS,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        if temperature > 0:  # the target's own t=1 sample is the memorized answer
+            assert g.tokens == trained.answer, (seed, g.tokens, trained.answer)
+        accepted += g.accepted
+    return sum(a + 1 for a in accepted) / len(accepted), accepted
 
 
 def test_independent_reader_of_the_export_accepts_the_memorized_answer(trained: Trained) -> None:
@@ -340,12 +425,14 @@ DFLASH2 = {
     # what every engine and this trainer agree on.
     "layer_types": ["full_attention", "full_attention"],
 }
-SAMPLED = EvalConfig(max_new_tokens=NEW_TOKENS, temperature=0.01, seed=3)
-"""The sampled path (the selector's walk drawn from q, verified by rejection sampling) at a
-temperature where the target's samples follow its greedy answer: this tiny target's logits
-are O(1), so already at 0.1 its first sampled token leaves the memorized answer, after
-which no memorizing drafter can be right. The sampled path's exactness at temperature 1 is
-tests/test_speculative_sampling.py's chi-square test."""
+SEEDS = 4
+SAMPLED = EvalConfig(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+"""The sampled path at t=1: the selector's walk drawn from its q over the K candidates,
+verified by rejection sampling. The DFlash2 target is `make_confident`'s, whose t=1 samples
+follow the greedy answer the drafter memorized; each slot is then accepted with about the
+drafter's q of the right token, so one response's tau varies with the draws (7.0 to 8.0
+over eight seeds): the gate pools SEEDS responses (seeds 0..SEEDS-1). The sampled path's
+exactness is tests/test_speculative_sampling.py's chi-square test."""
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +440,7 @@ def trained2(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(tmp_path_factory.mktemp("overfit2"), DFLASH2)
+        return _train(tmp_path_factory.mktemp("overfit2"), DFLASH2, confident=True)
     finally:
         torch.set_num_threads(before)
 
@@ -363,14 +450,53 @@ def test_dflash2_eval_loop_accepts_the_memorized_answer_greedy_and_sampled(
 ) -> None:
     drafter, _ = build_drafter(trained2.run_dir)
     assert drafter.candidate_selector is not None
-    args = (trained2.target, trained2.tokenizer, [trained2.messages])
-    greedy = evaluate_prompts(drafter, *args, GREEDY, baseline=True)
+    args = (trained2.target, trained2.tokenizer)
+    greedy = evaluate_prompts(drafter, *args, [trained2.messages], GREEDY, baseline=True)
     print(f"DFlash2 train {trained2.train_s:.1f} s; t=0 tau {greedy['tau']:.3f}")
     assert greedy["lossless_mismatches"] == 0
     assert greedy["tau"] >= GATE, greedy["responses"][0]["accepted"]
-    sampled = evaluate_prompts(drafter, *args, SAMPLED)
-    print(f"DFlash2 sampled walk tau {sampled['tau']:.3f}")
-    assert sampled["tau"] >= GATE, sampled["responses"][0]["accepted"]
+    sampled = evaluate_prompts(drafter, *args, [trained2.messages] * SEEDS, SAMPLED)
+    print(f"DFlash2 t=1 sampled walk pooled tau {sampled['tau_pooled']:.3f}")
+    answer = trained2.tokenizer.decode(trained2.answer, skip_special_tokens=True)
+    assert [r["text"] for r in sampled["responses"]] == [answer] * SEEDS
+    assert sampled["tau_pooled"] >= GATE, [r["accepted"] for r in sampled["responses"]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dflash_eval_on_a_dflash2_zlab_export_accepts_the_memorized_answer(
+    trained2: Trained, temperature: float
+) -> None:
+    """`dflash eval` on the float32 z-lab DFlash2 export (the importer reads it back)."""
+    prompts = trained2.tmp / "prompts.jsonl"
+    prompts.write_text((json.dumps({"messages": trained2.messages}) + "\n") * SEEDS)
+    report = trained2.tmp / f"zlab_eval_t{temperature}.json"
+    argv = ["eval", "--drafter", str(reader_export(trained2)), "--prompts", str(prompts)]
+    argv += [
+        "--target",
+        str(trained2.target_dir),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--device",
+        "cpu",
+        "--no-baseline",
+    ]
+    argv += ["--temperature", str(temperature), "--no-progress", "--json", str(report)]
+    assert main(argv) == 0
+    res = next(iter(json.loads(report.read_text())["sets"].values()))
+    print(f"dflash eval (DFlash2 z-lab export) t={temperature} pooled tau {res['tau_pooled']:.3f}")
+    answer = trained2.tokenizer.decode(trained2.answer, skip_special_tokens=True)
+    assert [r["text"] for r in res["responses"]] == [answer] * SEEDS
+    assert res["tau_pooled"] >= GATE, [r["accepted"] for r in res["responses"]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_independent_reader_of_a_dflash2_export_accepts_the_memorized_answer(
+    trained2: Trained, temperature: float
+) -> None:
+    seeds = range(SEEDS) if temperature > 0 else range(1)
+    tau, accepted = reader_tau(trained2, [0, 1], temperature, seeds)
+    print(f"independent DFlash2 reader t={temperature} pooled tau {tau:.3f}")
+    assert tau >= GATE, accepted
 
 
 @pytest.mark.parametrize("broken", ["convolutions dropped", "convolution taps swapped"])
@@ -386,4 +512,34 @@ def test_a_broken_dflash2_serving_path_fails_the_gate(trained2: Trained, broken:
     args = (trained2.target, trained2.tokenizer, [trained2.messages])
     tau = evaluate_prompts(drafter, *args, GREEDY)["tau"]
     print(f"DFlash2 {broken}: tau {tau:.3f}")
+    assert tau < 0.5 * BLOCK, tau
+
+
+def swap_taps(w: dict[str, torch.Tensor]) -> None:
+    for name in [n for n in w if n.endswith("_conv.base_kernel")]:
+        w[name] = w[name].flip(1)
+
+
+def drop_dynamic_part(w: dict[str, torch.Tensor]) -> None:
+    for name in [n for n in w if n.endswith("_conv.kernel_projection.weight")]:
+        w[name] = torch.zeros_like(w[name])
+
+
+READER_BREAKS = {
+    "convolution taps swapped": swap_taps,
+    "convolution kernel projections zeroed": drop_dynamic_part,
+}
+"""Mistakes in reading the convolutions fail the gate. Codebook mistakes do not, and are left
+to the parity test (test_export_dflash2.py: test_the_dflash2_comparison_catches_format_
+mistakes): on one memorized document the backbone's own top candidate is right by a wide
+margin, so the selector's pair term decides nothing at t=0 (codebooks swapped or zeroed:
+tau 8.0) and only sharpens q at t=1 (pooled tau over seeds 0..3: 7.39 either way against
+7.75), nowhere near failing. Swapping the convolution's two sides (base_kernel.flip(0))
+does not fail it either (tau 8.0): the two sides trained alike here."""
+
+
+@pytest.mark.parametrize("broken", sorted(READER_BREAKS))
+def test_a_broken_dflash2_reader_fails_the_gate(trained2: Trained, broken: str) -> None:
+    tau, _ = reader_tau(trained2, [0, 1], edit=READER_BREAKS[broken])
+    print(f"DFlash2 reader, {broken}: tau {tau:.3f}")
     assert tau < 0.5 * BLOCK, tau
