@@ -210,6 +210,15 @@ def save_safetensors(
     from safetensors.torch import save_file
 
     save_file(tensors, os.fspath(path), metadata=metadata)
-    mask = os.umask(0)
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def _umask() -> int:
+    # Read once, at import: setting and restoring it later would open a window in which
+    # another thread (checkpoints are written beside training) creates files without it.
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
+
+
+_UMASK = _umask()
