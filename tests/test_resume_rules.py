@@ -11,15 +11,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from trainer_utils import tiny_config, write_prepared
+from trainer_utils import copy_run, train_finished_run, write_prepared
 
 from dflash_trainer.cli import main
-from dflash_trainer.config import Config, replace
+from dflash_trainer.config import Config
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.run_dir import read_metrics
 from dflash_trainer.train.trainer import Trainer
@@ -31,15 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def finished(tmp_path_factory) -> tuple[Path, Config]:
     """A 4-step run, checkpoints at steps 2 and 4 (copied by each test that changes it)."""
     tmp = tmp_path_factory.mktemp("finished")
-    cfg = tiny_config(tmp, training={"max_steps": 4, "checkpoint_every": 2, "log_every": 1})
-    Trainer(cfg, log_to_console=False).train()
-    return tmp, cfg
-
-
-def _copy(finished: tuple[Path, Config], dest: Path) -> Config:
-    src, cfg = finished
-    shutil.copytree(src / "run", dest / "run")
-    return replace(cfg, run={"output_dir": str(dest / "run")})
+    return tmp, train_finished_run(tmp)
 
 
 def _resume(run: Path, capsys, *extra: str) -> tuple[int, str]:
@@ -54,7 +45,7 @@ def _steps(run: Path) -> list[int]:
 
 
 def test_a_changed_run_is_refused_with_every_difference(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     before = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "run_info.json", "config.yaml")}
     changes = {
@@ -79,7 +70,7 @@ def test_a_changed_run_is_refused_with_every_difference(finished, tmp_path, caps
 
 
 def test_allow_config_change_continues_warns_and_records(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     rc, out = _resume(
         run, capsys, "--allow-config-change", "training.seed=3", "training.max_steps=6"
@@ -94,7 +85,7 @@ def test_allow_config_change_continues_warns_and_records(finished, tmp_path, cap
 
 
 def test_an_edited_config_yaml_is_caught_by_the_checkpoints_record(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     saved["training"]["lr"] = 0.1
@@ -104,7 +95,7 @@ def test_an_edited_config_yaml_is_caught_by_the_checkpoints_record(finished, tmp
 
 
 def test_other_data_at_the_same_path_is_refused(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     data = tmp_path / "data"
     write_prepared(data, n_docs=30, seed=5)
@@ -113,7 +104,7 @@ def test_other_data_at_the_same_path_is_refused(finished, tmp_path, capsys):
 
 
 def test_another_drafter_geometry_cannot_continue_even_when_allowed(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     rc, out = _resume(run, capsys, "drafter.intermediate_size=96")
     assert rc == 2 and "drafter.intermediate_size: null -> 96" in out, out
@@ -123,7 +114,7 @@ def test_another_drafter_geometry_cannot_continue_even_when_allowed(finished, tm
 
 
 def test_damaged_metrics_and_run_info_are_repaired_and_said(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     rows = (run / "metrics.jsonl").read_bytes()
     bad = b'[1, 2]\n{"step": "x", "loss": 1}\n\xff\xfe garbage\n{"step": NaN}\n'
@@ -142,7 +133,7 @@ def test_damaged_metrics_and_run_info_are_repaired_and_said(finished, tmp_path, 
 
 @pytest.mark.parametrize("latest", [b"\xff\xfe\x00", b"step_00000004" * 10000, "dir"])
 def test_a_damaged_latest_is_ignored_or_refused_with_a_message(finished, tmp_path, capsys, latest):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     run = Path(cfg.run.output_dir)
     pointer = run / "checkpoints" / "LATEST"
     pointer.unlink()
@@ -158,7 +149,7 @@ def test_a_damaged_latest_is_ignored_or_refused_with_a_message(finished, tmp_pat
 
 
 def test_missing_checksums_warn_that_the_weights_are_unverified(finished, tmp_path, capsys):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     ck = Path(cfg.run.output_dir) / "checkpoints"
     (ck / "step_00000004" / "checksums.json").unlink()
     capsys.readouterr()
@@ -179,7 +170,7 @@ def test_missing_checksums_warn_that_the_weights_are_unverified(finished, tmp_pa
 def test_damaged_checkpoint_records_fall_back_to_an_intact_one(
     finished, tmp_path, capsys, name, content, why
 ):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     step = Path(cfg.run.output_dir) / "checkpoints" / "step_00000004"
     if name != "checksums.json":  # a record edited by hand, with no checksums to catch it
         (step / "checksums.json").unlink()
@@ -191,7 +182,7 @@ def test_damaged_checkpoint_records_fall_back_to_an_intact_one(
 
 
 def test_a_trainer_state_without_the_trainer_s_counters_is_refused_by_name(finished, tmp_path):
-    cfg = _copy(finished, tmp_path)
+    cfg = copy_run(finished, tmp_path)
     step = Path(cfg.run.output_dir) / "checkpoints" / "step_00000004"
     (step / "checksums.json").unlink()
     (step / "trainer_state.json").write_text('{"step": 4, "position": {"epoch": 0, "step": 4}}')

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trainer_utils import VOCAB, tiny_config
+from trainer_utils import VOCAB, copy_run, tiny_config, train_finished_run
 
 from dflash_trainer.config import Config, replace
 from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, ShardWriter
@@ -43,19 +43,11 @@ def _steps(run: Path) -> list[int]:
 def finished_run(tmp_path_factory) -> tuple[Path, Config]:
     """A 4-step run with checkpoints at steps 2 and 4 (copied by each test that damages it)."""
     tmp = tmp_path_factory.mktemp("finished")
-    cfg = tiny_config(tmp, training={"max_steps": 4, "checkpoint_every": 2, "log_every": 1})
-    Trainer(cfg, log_to_console=False).train()
-    return tmp, cfg
-
-
-def _copy(finished: tuple[Path, Config], dest: Path) -> Config:
-    src, cfg = finished
-    shutil.copytree(src / "run", dest / "run")
-    return replace(cfg, run={"output_dir": str(dest / "run")})
+    return tmp, train_finished_run(tmp)
 
 
 def test_fresh_train_over_checkpoints_is_refused_unless_overwrite(finished_run, tmp_path):
-    cfg = _copy(finished_run, tmp_path)
+    cfg = copy_run(finished_run, tmp_path)
     run = Path(cfg.run.output_dir)
     before = (run / "metrics.jsonl").read_text()
     with pytest.raises(DFlashError, match=r"--resume .*new run\.output_dir.*--overwrite"):
@@ -70,7 +62,7 @@ def test_fresh_train_over_checkpoints_is_refused_unless_overwrite(finished_run, 
 
 
 def test_metrics_keep_one_row_per_step_across_resumes(finished_run, tmp_path):
-    cfg = _copy(finished_run, tmp_path)
+    cfg = copy_run(finished_run, tmp_path)
     run = Path(cfg.run.output_dir)
     # Rows logged past the checkpoint by a run that then died (the last one torn mid-write).
     with (run / "metrics.jsonl").open("a") as f:
@@ -86,7 +78,7 @@ def test_a_damaged_file_falls_back_to_the_newest_intact_checkpoint(
     finished_run, tmp_path, capsys, damage
 ):
     for name in CHECKPOINT_FILES:
-        cfg = _copy(finished_run, tmp_path / name)
+        cfg = copy_run(finished_run, tmp_path / name)
         path = Path(cfg.run.output_dir) / "checkpoints" / "step_00000004" / name
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"")
@@ -99,7 +91,7 @@ def test_a_damaged_file_falls_back_to_the_newest_intact_checkpoint(
 
 
 def test_no_intact_checkpoint_is_refused_naming_the_files(finished_run, tmp_path):
-    cfg = _copy(finished_run, tmp_path)
+    cfg = copy_run(finished_run, tmp_path)
     ck = Path(cfg.run.output_dir) / "checkpoints"
     (ck / "step_00000004" / "optimizer.safetensors").write_bytes(b"")
     (ck / "step_00000002" / "drafter.safetensors").write_bytes(b"\0" * 10)
@@ -115,7 +107,7 @@ def test_no_intact_checkpoint_is_refused_naming_the_files(finished_run, tmp_path
 def test_latest_pointing_outside_the_checkpoints_is_not_followed(
     finished_run, tmp_path, capsys, pointer
 ):
-    cfg = _copy(finished_run, tmp_path)
+    cfg = copy_run(finished_run, tmp_path)
     ck = Path(cfg.run.output_dir) / "checkpoints"
     (ck / "LATEST").write_text(pointer + "\n")
     tr = Trainer(cfg, resume=True, log_to_console=False)
@@ -176,7 +168,7 @@ def test_data_that_supervises_nothing_stops_with_a_clear_error(tmp_path):
 def test_a_fresh_run_refuses_any_used_run_directory(finished_run, tmp_path):
     """Not only one with checkpoints: metrics, the final drafter or the config mark it used
     (here the checkpoints are gone, or live in another run.checkpoint_dir)."""
-    cfg = _copy(finished_run, tmp_path)
+    cfg = copy_run(finished_run, tmp_path)
     run = Path(cfg.run.output_dir)
     shutil.rmtree(run / "checkpoints")
     elsewhere = replace(cfg, run={"checkpoint_dir": str(tmp_path / "other-ck")})

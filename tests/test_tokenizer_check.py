@@ -15,11 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from test_data_support import sharegpt, tiny_tokenizer, write_jsonl
-from trainer_utils import tiny_config, write_prepared
-from transformers import AutoConfig, AutoModelForCausalLM
+from trainer_utils import tiny_config, write_prepared, write_tiny_target
 
 from dflash_trainer.cli import main
 from dflash_trainer.config import Config, config_to_dict, replace
@@ -34,19 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _target_with_tokenizer(path: Path, tok) -> Path:
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tok),
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    write_tiny_target(path, vocab_size=len(tok), initializer_range=0.02)  # llama's default
     tok.save_pretrained(path)
     return path
 

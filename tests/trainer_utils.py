@@ -15,7 +15,7 @@ from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, Sh
 VOCAB = 64
 
 
-def write_tiny_target(path: Path) -> Path:
+def write_tiny_target(path: Path, vocab_size: int = VOCAB, initializer_range: float = 0.3) -> Path:
     """A 4-layer llama (random weights, saved as safetensors) the trainer loads like any HF model."""
     cfg = AutoConfig.for_model(
         "llama",
@@ -24,12 +24,12 @@ def write_tiny_target(path: Path) -> Path:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         # Trained heads give O(1) logits; the 0.02 default would make every target a
         # near-uniform one that no drafter can match in a few steps.
-        initializer_range=0.3,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -114,3 +114,23 @@ def tiny_config(tmp: Path, **sections) -> Config:
     for name, changes in sections.items():
         base.setdefault(name, {}).update(changes)
     return config_from_dict(base)
+
+
+def train_finished_run(tmp: Path) -> Config:
+    """A 4-step run under `tmp`, checkpoints at steps 2 and 4 (tests copy it before changing it)."""
+    from dflash_trainer.train.trainer import Trainer
+
+    cfg = tiny_config(tmp, training={"max_steps": 4, "checkpoint_every": 2, "log_every": 1})
+    Trainer(cfg, log_to_console=False).train()
+    return cfg
+
+
+def copy_run(finished: tuple[Path, Config], dest: Path) -> Config:
+    """A copy of the finished run under `dest`, and its config pointing there."""
+    import shutil
+
+    from dflash_trainer.config import replace
+
+    src, cfg = finished
+    shutil.copytree(src / "run", dest / "run")
+    return replace(cfg, run={"output_dir": str(dest / "run")})
