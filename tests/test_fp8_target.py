@@ -244,6 +244,48 @@ def test_every_aligned_linear_of_the_decoder_layers_converts_and_nothing_else(ki
     assert f"kept bf16: {len(skipped)} (in/out features" in report.summary()
 
 
+def test_moving_a_layer_at_a_time_quantizes_exactly_like_the_whole_model_at_once():
+    """quantize_onto (what an FP8 target on one GPU loads through): the same linears, the
+    same FP8 weights and scales, everything on the device at the end."""
+    whole, layerwise = MODELS["qwen3_5"](), MODELS["qwen3_5"]()
+    want = quantize_linears(whole, decoder_layers(whole), mode="rowwise", compiled=False)
+    got = fp8.quantize_onto(
+        layerwise, decoder_layers(layerwise), "cpu", mode="rowwise", compiled=False
+    )
+    assert got.converted == want.converted and got.skipped == want.skipped
+    assert (got.bytes_before, got.bytes_after, got.modes) == (
+        want.bytes_before,
+        want.bytes_after,
+        want.modes,
+    )
+    a, b = dict(whole.named_buffers()), dict(layerwise.named_buffers())
+    assert a.keys() == b.keys()
+    for name, t in a.items():
+        assert t.dtype == b[name].dtype and torch.equal(t.float(), b[name].float()), name
+
+
+def test_each_layer_arrives_quantized_before_the_next_one_moves(monkeypatch):
+    """The device never holds two bf16 decoder layers: when layer i+1 starts its move (from
+    the host), layer i's linears are already FP8 (a real move, to the `meta` device)."""
+    model = MODELS["llama"]()
+    layers = decoder_layers(model)
+    real_to = nn.Module.to
+    order = []
+
+    def to(module, *args, **kw):
+        for i, layer in enumerate(layers):
+            if module is layer:
+                fp8_now = sum(isinstance(m, FP8Linear) for x in layers for m in x.modules())
+                order.append((i, fp8_now, next(module.parameters()).device.type))
+        return real_to(module, *args, **kw)
+
+    monkeypatch.setattr(nn.Module, "to", to)
+    fp8.quantize_onto(model, layers, "meta", mode="rowwise", compiled=False)
+    per_layer = len(EXPECTED["llama"][0]) // 2
+    assert order == [(0, 0, "cpu"), (1, per_layer, "cpu")]
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+
+
 def test_routers_stay_bf16():
     block = nn.Module()
     block.mlp = nn.Module()
@@ -414,3 +456,22 @@ def test_cuda_fp8_target_under_graph_capture_replays_the_eager_forward(tmp_path)
     assert graphed.capture_failed is None, graphed.capture_failed
     steps = [tr.train_step() for _ in range(3)]
     assert all(s.loss == s.loss and not s.skipped for s in steps)
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_target_never_holds_the_whole_bf16_model_on_the_gpu():
+    """Loading an FP8 target on one GPU peaks near its FP8 size, not at its bf16 size (the
+    layers arrive and quantize one at a time)."""
+    dev = torch.device("cuda")
+    fp8.fp8_mode(dev)
+    tcfg = TargetConfig(precision="fp8", random_init=True)
+    torch.cuda.reset_peak_memory_stats(dev)
+    start = torch.cuda.memory_allocated(dev)
+    model = load_target_model(tcfg, dev)
+    peak = torch.cuda.max_memory_allocated(dev) - start
+    held = torch.cuda.memory_allocated(dev) - start
+    bf16_bytes = 2 * sum(
+        t.numel() for t in [*model.parameters(), *model.buffers()] if t.dtype != fp8.FP8_DTYPE
+    ) + 2 * sum(m.weight_fp8.numel() for m in model.modules() if isinstance(m, FP8Linear))
+    assert held < 0.8 * bf16_bytes
+    assert peak < held + 0.2 * bf16_bytes, (peak, held, bf16_bytes)

@@ -349,6 +349,34 @@ def quantize_linears(
     return report
 
 
+@torch.no_grad()
+def quantize_onto(
+    model: nn.Module,
+    layers: Iterable[nn.Module],
+    device: str | torch.device,
+    mode: Fp8Mode | None = None,
+    compiled: bool = True,
+) -> Fp8Report:
+    """Move `model` (on the host) to `device` a decoder layer at a time, each layer's linears
+    quantized as soon as it arrives, then the rest (embedding, norm, lm_head).
+
+    Moving the whole bf16 model first and quantizing there would make the bf16 weights the
+    GPU's peak (54 GB for a 27B target, more than its training step with FP8 weights needs);
+    this way the GPU holds the FP8 layers done so far plus one bf16 layer.
+    """
+    total = Fp8Report()
+    for layer in layers:
+        layer.to(device)
+        part = quantize_linears(model, [layer], mode, compiled)
+        total.converted += part.converted
+        total.skipped.update(part.skipped)
+        total.bytes_before += part.bytes_before
+        total.bytes_after += part.bytes_after
+        total.modes += [m for m in part.modes if m not in total.modes]
+    model.to(device)
+    return total
+
+
 def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 

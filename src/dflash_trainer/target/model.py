@@ -75,6 +75,10 @@ def load_target_model(
         _check_fp8_devices(device, max_memory)  # before minutes of loading
     if max_memory is not None:
         device = "cpu"
+    # An FP8 target on one device is built on the host and moved a layer at a time, each
+    # quantized on arrival: the device never holds the whole bf16 model (quantize_onto).
+    layerwise_fp8 = tcfg.precision == "fp8" and max_memory is None
+    final_device, device = device, "cpu" if layerwise_fp8 else device
     from transformers import AutoModelForCausalLM
 
     from dflash_trainer.target.configs import (
@@ -120,7 +124,12 @@ def load_target_model(
     model.requires_grad_(False)
     if max_memory is not None:
         model = spread_over_gpus(model, max_memory)
-    if tcfg.precision == "fp8":
+    if layerwise_fp8:
+        from dflash_trainer.target.fp8 import quantize_onto
+
+        report = quantize_onto(model, decoder_layers(model), final_device)
+        print(f"[dflash] {report.summary()}", file=sys.stderr, flush=True)
+    elif tcfg.precision == "fp8":
         from dflash_trainer.target.fp8 import quantize_linears
 
         # On the GPUs the layers sit on: quantizing is a pass over the weights there.
