@@ -220,7 +220,7 @@ def atomic_directory(
     """
     final = Path(os.path.abspath(final))  # `.` and `..` have no name to rename
     cwd = Path(os.path.realpath(os.curdir))
-    if final.resolve() in (cwd, *cwd.parents):
+    if Path(os.path.realpath(final)) in (cwd, *cwd.parents):  # (a link loop: no error)
         raise DFlashError(f"{final} is the current directory or holds it; write to a new directory")
     parent = final.parent
     remove_stale(parent, final.name, log)

@@ -82,15 +82,17 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise DFlashError(f"{p}: no such drafter, checkpoint or run directory")
-    if (p / SPEC_FILE).is_file():
+    # Whatever the spec is (a FIFO, a dangling link), its reader names what is wrong with it:
+    # a damaged final drafter is never passed over for a checkpoint in silence.
+    if os.path.lexists(p / SPEC_FILE):
         return p
-    if (p / "drafter" / SPEC_FILE).is_file():
+    if os.path.lexists(p / "drafter" / SPEC_FILE):
         return p / "drafter"
     latest = p / "checkpoints" / "LATEST"
-    if latest.is_file():
+    if os.path.lexists(latest):
         name = read_small_text(latest, "checkpoint pointer", 4096).strip()
         cand = inside(p / "checkpoints", name, f"{latest} names a checkpoint that")
-        if (cand / SPEC_FILE).is_file():
+        if os.path.lexists(cand / SPEC_FILE):
             return cand
     raise DFlashError(
         f"{p}: holds no drafter ({SPEC_FILE} + {WEIGHTS_FILE}); give a run directory, a "

@@ -193,11 +193,16 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
         self._tb: Any = None
-        if enabled:
+        tb = run_dir / "tb"
+        if enabled and (tb.is_symlink() or (os.path.lexists(tb) and not tb.is_dir())):
+            # Not the run's own folder (a link out of the run, a file): never written through.
+            print(f"[dflash] {tb} is not a directory of the run (a link or a file): no "
+                  "TensorBoard events this time (metrics.jsonl has every number)", file=sys.stderr)  # fmt: skip
+        elif enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tb"))
+                self._tb = SummaryWriter(str(tb))
             except ImportError:
                 self._tb = None
 
