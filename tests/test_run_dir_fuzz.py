@@ -3,9 +3,9 @@
 A real finished run is built once (a tiny llama target with its tokenizer, data prepared by
 `dflash data prepare`, 4 steps of `dflash train` with checkpoints at steps 2 and 4, and a
 `dflash eval` report of its drafter). Each case copies the run, damages one of its files or
-directories (cut short, zeroed, a byte flipped, replaced by garbage, by nothing, by a huge or a
-deeply nested JSON value, by a directory, a FIFO, a link to a file outside the run or a link
-loop) and runs every command that reads a run directory: `lineage show|verify|add-eval`,
+directories (cut short, zeroed, a byte flipped, replaced by garbage, by nothing, by JSON of the wrong
+shape, by a huge or a deeply nested JSON value, by a directory, a FIFO, a link to another file
+of the run or to a file outside it, or a link loop) and runs every command that reads a run directory: `lineage show|verify|add-eval`,
 `export`, `eval --drafter`, `plan --calibrate`, `doctor --config RUN/config.yaml`, `plot`,
 a fresh `train` into it (which must refuse a used directory) and `train --resume`.
 
@@ -54,10 +54,17 @@ WALL_SECONDS = 20
 COUNTS: Counter[str] = Counter()
 FAILURES: list[str] = []
 
-FILE_DAMAGES = ["truncate", "zero", "flip", "garbage", "empty", "huge_json", "deep_json",
-                "directory", "fifo", "link_outside", "link_loop"]  # fmt: skip
+FILE_DAMAGES = ["truncate", "zero", "flip", "garbage", "empty", "wrong_json", "huge_json",
+                "deep_json", "directory", "fifo", "link_inside", "link_outside", "link_loop"]  # fmt: skip
 DIR_DAMAGES = ["empty_dir", "garbage", "empty", "fifo", "link_outside", "link_loop"]
 GARBAGE = b"\xff\xfe\x00 not what this file holds {[\x00\x01" * 37
+WRONG = {  # valid JSON whose fields every reader of a run meets with the wrong type or range
+    "step": -1, "sha256": {"drafter.safetensors": 1}, "format": "dflash-lineage", "version": "1",
+    "continuations": [{"index": 0, "steps": -5, "data": [], "evals": [{"served": 3}]}],
+    "target": "x", "drafter": [], "training": {"seed": "x"}, "position": {"epoch": "0"},
+    "hidden_size": -1, "loss": float("nan"), "lr": None, "slot_acc": ["a"], "history": 5,
+    "sets": {"x": {"tau": "1"}}, "param_groups": {}, "weight_map": [],
+}  # fmt: skip
 
 # What each command may write in the run directory (fnmatch patterns of paths relative to
 # it); everything else must be left as it was. The lock file comes and goes with a trainer.
@@ -170,15 +177,20 @@ def damage(victim: Path, kind: str, where: float, outside: Path) -> None:
         os.mkfifo(victim)
     elif kind == "link_outside":
         victim.symlink_to(outside / ("dir" if was_dir else "secret.json"))
+    elif kind == "link_inside":  # another file of the run, in the victim's place
+        others = sorted(p for p in victim.parent.iterdir() if p.is_file() and not p.is_symlink())
+        victim.symlink_to(others[int(where * len(others))] if others else victim.parent)
     elif kind == "link_loop":
         victim.symlink_to(victim.name)
     else:
-        victim.write_bytes(_content(kind))
+        victim.write_bytes(_content(kind, where))
 
 
-def _content(kind: str) -> bytes:
+def _content(kind: str, where: float) -> bytes:
     if kind == "garbage":
         return GARBAGE
+    if kind == "wrong_json":  # half the time the object above, else a value of no shape
+        return json.dumps([WRONG, WRONG, None, [], "step_00000002"][int(where * 5)]).encode()
     if kind == "empty":
         return b""
     if kind == "huge_json":  # a valid JSON value of 12 MB: big, and of no expected shape

@@ -185,6 +185,11 @@ def _checked_trainer_state(ts: Any) -> dict[str, Any]:
     return ts
 
 
+_UNREADABLE: tuple[type[Exception], ...] = (OSError, ValueError, KeyError, TypeError)
+_UNREADABLE += (AttributeError, SafetensorError, DFlashError)
+"""What a checkpoint file that does not parse raises (the checkpoint counts as damaged)."""
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -382,7 +387,7 @@ class Checkpointer:
                 return None, ", ".join(bad)
             try:
                 data = _read_files(local, name, f"{self.root}/{name}")
-            except (OSError, ValueError, KeyError, TypeError, SafetensorError, DFlashError) as e:
+            except _UNREADABLE as e:
                 # A checkpoint without checksums (older code): a file that does not parse.
                 return None, f"unreadable ({type(e).__name__}: {e})"
             if bad is None:
