@@ -3,11 +3,12 @@
 A real finished run is built once (a tiny llama target with its tokenizer, data prepared by
 `dflash data prepare`, 4 steps of `dflash train` with checkpoints at steps 2 and 4, and a
 `dflash eval` report of its drafter). Each case copies the run, damages one of its files or
-directories (cut short, zeroed, a byte flipped, replaced by garbage, by nothing, by JSON of the wrong
-shape, by a huge or a deeply nested JSON value, by a directory, a FIFO, a link to another file
-of the run or to a file outside it, or a link loop) and runs every command that reads a run directory: `lineage show|verify|add-eval`,
-`export`, `eval --drafter`, `plan --calibrate`, `doctor --config RUN/config.yaml`, `plot`,
-a fresh `train` into it (which must refuse a used directory) and `train --resume`.
+directories (cut short, zeroed, a byte flipped, replaced by garbage, by nothing, by JSON of
+the wrong shape, by a huge or a deeply nested JSON value, by a directory, a FIFO, a link to
+another file of the run or to a file outside it, or a link loop) and runs every command that
+reads a run directory: `lineage show|verify|add-eval`, `export`, `eval --drafter`, `plan
+--calibrate`, `doctor --config RUN/config.yaml` (doctor takes no run directory: its config),
+`plot`, a fresh `train` into it (which must refuse a used directory) and `train --resume`.
 
 Each command must end cleanly (success, or an error paragraph with exit status 1 or 2 and no
 traceback) within its time limit, and must leave alone what it does not write: the run's file
@@ -15,10 +16,10 @@ tree is compared before and after each command (files by content, links by targe
 only the paths that command writes (`--resume` rewrites the run's own outputs, `add-eval` the
 lineage files), and the files outside the run that a link points to must never change.
 
-The cases are the damages that an earlier round found harmful (REGRESSIONS), then the
-damages of every entry of the run in a fixed shuffled order, again with other cut and flip
-positions after the first ~430; DFLASH_RUN_FUZZ_CASES sets how many of those run (default 6,
-under a minute on two cores with the build; 600 for a hostile round). Counts are printed at the end of the module and
+The cases are the damages that an earlier round found harmful (REGRESSIONS), then the damages
+of every entry of the run in a fixed shuffled order (~500), then again at other cut and flip
+positions; DFLASH_RUN_FUZZ_CASES sets how many of those run (default 6: under a minute on two
+cores with the build; 600 for a hostile round). Counts are printed at the end of the module and
 written to <pytest basetemp>/run_dir_fuzz_counts.json.
 """
 
@@ -54,8 +55,10 @@ WALL_SECONDS = 20
 COUNTS: Counter[str] = Counter()
 FAILURES: list[str] = []
 
-FILE_DAMAGES = ["truncate", "zero", "flip", "garbage", "empty", "wrong_json", "huge_json",
-                "deep_json", "directory", "fifo", "link_inside", "link_outside", "link_loop"]  # fmt: skip
+FILE_DAMAGES = [
+    *("truncate", "zero", "flip", "garbage", "empty", "wrong_json", "huge_json", "deep_json"),
+    *("directory", "fifo", "link_inside", "link_outside", "link_loop"),
+]
 DIR_DAMAGES = ["empty_dir", "garbage", "empty", "fifo", "link_outside", "link_loop"]
 GARBAGE = b"\xff\xfe\x00 not what this file holds {[\x00\x01" * 37
 WRONG = {  # valid JSON whose fields every reader of a run meets with the wrong type or range
@@ -70,8 +73,8 @@ WRONG = {  # valid JSON whose fields every reader of a run meets with the wrong 
 # it); everything else must be left as it was. The lock file comes and goes with a trainer.
 ALWAYS = [".dflash-lock"]
 RESUME_WRITES = [
-    *("config.yaml", ".config.yaml.tmp", "run_info.json", ".run_info.json.tmp"),
-    *("run_info.json.damaged-*", "metrics.jsonl", ".metrics.jsonl.tmp", "tb", "tb/*"),
+    *("config.yaml", ".config.yaml.*", "run_info.json", ".run_info.json.*"),
+    *("run_info.json.damaged-*", "metrics.jsonl", ".metrics.jsonl.*", "tb", "tb/*"),
     *("plots", "plots/*", "drafter", "drafter/*", ".drafter.*"),
     *("checkpoints", "checkpoints/LATEST", "checkpoints/.LATEST.tmp"),
     *("checkpoints/step_00000004", "checkpoints/step_00000004/*", "checkpoints/.step_00000004.*"),
@@ -120,8 +123,9 @@ def pristine(tmp_path_factory, one_torch_thread) -> Pristine:
 
 
 def _eval_argv(p: Pristine, run: Path) -> list[str]:
-    return ["eval", "--drafter", str(run), "--prompts", str(p.prompts), "--max-samples", "1",
-            "--max-new-tokens", "8", "--device", "cpu", "--no-baseline", "--no-progress"]  # fmt: skip
+    tiny = ["--max-samples", "1", "--max-new-tokens", "8", "--device", "cpu"]
+    return ["eval", "--drafter", str(run), "--prompts", str(p.prompts), *tiny, "--no-baseline",
+            "--no-progress"]  # fmt: skip
 
 
 def commands(p: Pristine, run: Path, scratch: Path) -> list[tuple[str, list[str], list[str]]]:

@@ -270,7 +270,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The rows of RUN/metrics.jsonl (damaged lines left out); [] without one. A metrics file
     that is not a regular file (a FIFO, a directory) is an error naming it."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not os.path.lexists(path):
+    try:
+        os.lstat(path)  # other errors (a name too long, a file as a directory) are said
+    except FileNotFoundError:
         return []
     return [row for row in map(_metrics_row, _lines(path)) if row is not None]
 
