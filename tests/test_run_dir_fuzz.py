@@ -54,6 +54,7 @@ WALL_SECONDS = 20
 """One command's wall-clock limit (it takes well under 2 s here): past it, a hang."""
 COUNTS: Counter[str] = Counter()
 FAILURES: list[str] = []
+SLOWEST: list[str] = []
 
 FILE_DAMAGES = [
     *("truncate", "zero", "flip", "garbage", "empty", "wrong_json", "huge_json", "deep_json"),
@@ -304,7 +305,7 @@ def report_counts(request, tmp_path_factory) -> Iterator[None]:
     keys = ("cases", "tried", "clean", "tracebacks", "hangs", "data_loss")
     counts = {k: COUNTS[k] for k in keys}
     counts["of which"] = {k: v for k, v in sorted(COUNTS.items()) if k not in counts}
-    out.write_text(json.dumps({**counts, "failures": FAILURES[:50]}, indent=1))
+    out.write_text(json.dumps({**counts, "slowest": SLOWEST, "failures": FAILURES[:50]}, indent=1))
     show(request, f"run dir fuzz: {json.dumps(counts)} ({out})")
 
 
@@ -327,7 +328,10 @@ def run_case(p: Pristine, scratch: Path, victim: str, kind: str, where: float, c
         COUNTS["tried"] += 1
         t0 = time.perf_counter()
         out = run_cli(argv, capsys, WALL_SECONDS)
-        COUNTS["max_ms"] = max(COUNTS["max_ms"], int(1000 * (time.perf_counter() - t0)))
+        ms = int(1000 * (time.perf_counter() - t0))
+        if ms > COUNTS["max_ms"]:
+            COUNTS["max_ms"] = ms
+            SLOWEST[:] = [f"{name} on {case}"]
         problems = []
         if out.problem is not None:
             COUNTS["hangs" if out.problem == "hang" else "tracebacks"] += 1
