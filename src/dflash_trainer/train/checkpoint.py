@@ -120,7 +120,7 @@ def _damaged_files(d: Path) -> list[str] | None:
     try:
         sums = read_json(manifest, "checksums", max_bytes=1 << 20).get("sha256")
     except DFlashError as e:
-        return [f"{CHECKSUMS} (unreadable: {str(e).removeprefix(f'checksums {manifest}: ')})"]
+        return [f"{CHECKSUMS} (unreadable: {e})"]
     if not isinstance(sums, dict) or not all(
         _PLAIN_NAME.match(str(k)) and isinstance(v, str) for k, v in sums.items()
     ):
