@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -73,6 +74,51 @@ def show(request: Any, line: str) -> None:
         print(line)
 
 
+@dataclass
+class Outcome:
+    """How one `dflash` command line ended (`run_cli`)."""
+
+    rc: int | None
+    """Exit status; None when it never returned (a hang, an escaped exception)."""
+    text: str
+    """stdout + stderr."""
+    problem: str | None = None
+    """None (clean), "hang", "escaped" (an exception past the error boundary), "traceback"
+    (an internal error, exit 70, or a traceback printed) or "exit" (another exit status)."""
+    usage_error: bool = False
+    error: BaseException | None = None
+
+
+def run_cli(argv: list[str], capsys: Any, wall_seconds: float = 20) -> Outcome:
+    """Run `dflash ARGV` through `cli.main` within the time limit and say how it ended; never
+    raises for the command's own failure (a fuzzer that counts them all goes on)."""
+    from dflash_trainer import cli
+    from dflash_trainer.cli_errors import INTERNAL_ERROR
+
+    usage = False
+    try:
+        with time_limit(10, "command", wall_seconds=wall_seconds):
+            try:
+                rc = cli.main(argv)
+            except SystemExit as e:  # argparse: a usage error (2) or --help (0)
+                rc, usage = (e.code if isinstance(e.code, int) else 2), True
+    except pytest.fail.Exception as e:
+        return Outcome(None, _captured(capsys), "hang", error=e)
+    except Exception as e:
+        return Outcome(None, _captured(capsys), "escaped", error=e)
+    text = _captured(capsys)
+    if rc == INTERNAL_ERROR or "Traceback (most recent call last)" in text:
+        return Outcome(rc, text, "traceback", usage)
+    if rc not in (0, 1, 2, 130):
+        return Outcome(rc, text, "exit", usage)
+    return Outcome(rc, text, None, usage)
+
+
+def _captured(capsys: Any) -> str:
+    out = capsys.readouterr()
+    return str(out.out + out.err)
+
+
 def run_command(
     argv: list[str], capsys: Any, counts: Any, failures: list[str], wall_seconds: float = 20
 ) -> None:
@@ -80,34 +126,26 @@ def run_command(
     usage error, a user error, a failed check), a traceback (an internal error, exit 70, or
     one that escaped) or a hang (over the time limit). A traceback or a hang fails the
     example, naming the command line."""
-    from dflash_trainer import cli
-    from dflash_trainer.cli_errors import INTERNAL_ERROR
-
     counts["tried"] += 1
-    try:
-        with time_limit(10, "command", wall_seconds=wall_seconds):
-            try:
-                rc = cli.main(argv)
-            except SystemExit as e:  # argparse: a usage error (2) or --help (0)
-                rc = e.code if isinstance(e.code, int) else 2
-                counts["usage_errors"] += 1
-    except pytest.fail.Exception:
+    out = run_cli(argv, capsys, wall_seconds)
+    counts["usage_errors"] += out.usage_error
+    if out.problem == "hang":
         counts["hangs"] += 1
         failures.append(f"hang: {argv}")
-        raise
-    except Exception as e:
+        assert out.error is not None
+        raise out.error
+    if out.problem == "escaped":
         counts["tracebacks"] += 1
-        failures.append(f"escaped {type(e).__name__}: {argv}")
-        raise
-    out = capsys.readouterr()
-    text = out.out + out.err
-    if rc == INTERNAL_ERROR or "Traceback (most recent call last)" in text:
+        failures.append(f"escaped {type(out.error).__name__}: {argv}")
+        assert out.error is not None
+        raise out.error
+    if out.problem == "traceback":
         counts["tracebacks"] += 1
-        failures.append(f"{text.strip().splitlines()[-1][:300]}: {argv}")
-        pytest.fail(f"internal error for {argv}:\n{text[-3000:]}")
-    assert rc in (0, 1, 2, 130), (rc, argv, text[-2000:])
+        failures.append(f"{out.text.strip().splitlines()[-1][:300]}: {argv}")
+        pytest.fail(f"internal error for {argv}:\n{out.text[-3000:]}")
+    assert out.problem is None, (out.rc, argv, out.text[-2000:])
     counts["clean"] += 1
-    counts[f"exit_{rc}"] += 1
+    counts[f"exit_{out.rc}"] += 1
 
 
 def go_offline(monkeypatch: Any) -> None:

@@ -111,3 +111,50 @@ def test_a_manifest_cannot_name_shards_outside_its_directory(tmp_path, capsys):
     (d / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DFlashError, match="leads outside"):
         PreparedDataset(d)
+
+
+# ---------------------------------------------------------------- JSON the tool reads back
+
+
+def test_json_is_read_from_regular_files_only_and_never_waited_on(fifo, tmp_path):
+    from dflash_trainer.json_input import read_json
+
+    t0 = time.perf_counter()
+    with pytest.raises(DFlashError, match="FIFO"):
+        read_json(fifo, "run info")
+    with pytest.raises(DFlashError, match="is a directory"):
+        read_json(tmp_path, "run info")
+    assert time.perf_counter() - t0 < 1
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"x": "y" * 2000}))
+    with pytest.raises(DFlashError, match="larger than 1,000 bytes"):
+        read_json(big, "checksums", max_bytes=1000)
+
+
+@pytest.mark.parametrize("depth", [65, 1000, 200_000])
+def test_json_nested_too_deeply_is_a_user_error_not_a_recursion_error(tmp_path, depth):
+    """A million `[` crash the parser and a few hundred crash the first recursive walk or
+    indented dump of the value: both are refused as a damaged file."""
+    from dflash_trainer.json_input import MAX_DEPTH, read_json
+
+    p = tmp_path / "deep.json"
+    p.write_text('{"a": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(DFlashError, match=f"nested more than {MAX_DEPTH} levels"):
+        read_json(p, "lineage")
+    p.write_text('{"a": ' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}")
+    assert read_json(p, "lineage")["a"]  # as deep as allowed: read
+
+
+def test_json_of_another_type_names_both_types(tmp_path):
+    from dflash_trainer.json_input import is_number, read_json
+
+    p = tmp_path / "meta.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(DFlashError, match="a JSON array, not a JSON object"):
+        read_json(p, "checkpoint meta")
+    p.write_bytes(b"\xff\xfe{")
+    with pytest.raises(DFlashError, match="not UTF-8"):
+        read_json(p, "checkpoint meta")
+    assert [is_number(v) for v in (1, 0.5, True, float("nan"), float("inf"), "1", None)] == [
+        True, True, False, False, False, False, False,
+    ]  # fmt: skip

@@ -234,3 +234,63 @@ def test_init_records_a_drafter_trained_before_lineages(chain: Chain, tmp_path: 
         f"synth/synth-{i:07d}" for i in range(3)
     }
     assert main(["lineage", "verify", str(d)]) == 0
+
+
+def test_add_eval_reads_only_regular_reports_of_finite_numbers(
+    chain: Chain, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A report is a regular file (a FIFO is refused at once, never waited on) whose served
+    numbers are finite; nothing is attached, and nothing rewritten, when one is refused."""
+    import os
+    import shutil
+    import time
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chain.runs[0] / "drafter", copy)
+    before = (copy / "lineage.json").read_bytes()
+    report = json.loads((chain.evals[0] / "eval.json").read_text())
+    bad = []
+    for name, value in (("nan", float("nan")), ("text", "1.5"), ("inf", float("inf"))):
+        rep = json.loads(json.dumps(report))
+        rep["sets"]["gsm8k"]["tau"] = value
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(rep))  # NaN and Infinity, as Python's json writes them
+        bad.append((path, "sets.gsm8k.tau"))
+    os.mkfifo(tmp_path / "fifo.json")
+    bad.append((tmp_path / "fifo.json", "FIFO"))
+    (tmp_path / "deep.json").write_text('{"sets": ' + "[" * 5000 + "]" * 5000 + "}")
+    bad.append((tmp_path / "deep.json", "nested more than"))
+    capsys.readouterr()
+    for path, needle in bad:
+        t0 = time.perf_counter()
+        assert main(["lineage", "add-eval", str(copy), str(path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+        assert time.perf_counter() - t0 < 5
+    assert (copy / "lineage.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "deep", "shape"])
+def test_damaged_lineage_files_are_user_errors(chain: Chain, tmp_path: Path, damage: str) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(chain.runs[1] / "drafter", copy)
+    prompts, lineage = copy / "lineage_prompts.jsonl.gz", copy / "lineage.json"
+    if damage == "truncate":
+        prompts.write_bytes(prompts.read_bytes()[:30])
+    elif damage == "flip":
+        data = bytearray(prompts.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        prompts.write_bytes(bytes(data))
+    elif damage == "deep":
+        lineage.write_text('{"format": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    else:
+        record = json.loads(lineage.read_text())
+        record["continuations"][0]["steps"] = "many"
+        lineage.write_text(json.dumps(record))
+    needle = {"truncate": "not a readable gzip", "flip": "gzip|do not match",
+              "deep": "nested more than", "shape": "continuation 0 is damaged"}[damage]  # fmt: skip
+    with pytest.raises(DFlashError, match=needle):
+        read_prompts(copy)
+    assert main(["lineage", "verify", str(copy)]) == 2

@@ -11,6 +11,9 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,45 @@ def test_a_trainer_state_without_the_trainer_s_counters_is_refused_by_name(finis
     (step / "trainer_state.json").write_text('{"step": 4, "position": {"epoch": 0, "step": 4}}')
     with pytest.raises(DFlashError, match=r"step_00000004/trainer_state.json lacks scheduler"):
         Trainer(cfg, resume=True, log_to_console=False)
+
+
+def test_an_edited_config_is_refused_before_the_target_loads(finished, tmp_path, capsys):
+    """config.yaml against the checkpoint's record comes before any weights load: with the
+    target moved away (the same name elsewhere), the refusal is the changed seed, not a
+    missing target."""
+    cfg = copy_run(finished, tmp_path)
+    run = Path(cfg.run.output_dir)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["training"]["seed"] = 7
+    saved["target"]["name_or_path"] = str(tmp_path / "elsewhere" / "target")
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    rc, out = _resume(run, capsys)
+    assert rc == 2 and "step_00000004" in out and "training.seed: 0 -> 7" in out, out
+    assert "loading target" not in out
+
+
+@pytest.mark.parametrize("name", ["checksums.json", "trainer_state.json", "meta.json"])
+def test_a_fifo_among_the_checkpoint_files_is_damage_not_a_hang(finished, tmp_path, capsys, name):
+    cfg = copy_run(finished, tmp_path)
+    step = Path(cfg.run.output_dir) / "checkpoints" / "step_00000004"
+    if name != "checksums.json":  # without checksums, the reader itself meets the FIFO
+        (step / "checksums.json").unlink()
+    (step / name).unlink()
+    os.mkfifo(step / name)
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    assert Trainer(cfg, resume=True, log_to_console=False).step == 2
+    assert time.perf_counter() - t0 < 30
+    err = capsys.readouterr().err
+    assert "step_00000004 is damaged" in err and "FIFO" in err, err
+
+
+def test_a_fifo_run_info_is_kept_aside_not_waited_on(finished, tmp_path, capsys):
+    cfg = copy_run(finished, tmp_path)
+    run = Path(cfg.run.output_dir)
+    (run / "run_info.json").unlink()
+    os.mkfifo(run / "run_info.json")
+    rc, out = _resume(run, capsys)
+    assert rc == 0 and "run_info.json was damaged" in out and "FIFO" in out, out
+    (kept,) = run.glob("run_info.json.damaged-*")
+    assert stat.S_ISFIFO(os.lstat(kept).st_mode)

@@ -21,12 +21,14 @@ hold it; a `.old-` directory gets one as soon as it has been moved aside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +44,18 @@ MARKER = ".dflash-temp.json"
 _TOOL = "dflash-trainer"
 _ACTIVE: set[Path] = set()
 """The temporary directories this process is writing now (never stale, whatever the pid)."""
+
+
+def _umask() -> int:
+    # Read once, at import: setting and restoring it later would open a window in which
+    # another thread (checkpoints are written beside training) creates files without it.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()
+"""The process's umask: files this tool creates with an owner-only mode get 0o666 & ~UMASK."""
 
 
 def _stderr(message: str) -> None:
@@ -150,6 +164,28 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
+    """Write one file whole or not at all: a new temporary sibling (created exclusively, so
+    never through a link or over another file), fsynced, then renamed over `path`. A link at
+    `path` is replaced, never written through: the file it points to stays as it was."""
+    final = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp's 0600: the file follows the umask
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_path(final.parent)
+    return final
+
+
 def check_replaceable(final: Path, ours: Callable[[str], bool], what: str) -> None:
     """Refuse to replace `final` unless every entry in it is one this tool writes there.
 
@@ -184,7 +220,7 @@ def atomic_directory(
     """
     final = Path(os.path.abspath(final))  # `.` and `..` have no name to rename
     cwd = Path(os.path.realpath(os.curdir))
-    if final.resolve() in (cwd, *cwd.parents):
+    if Path(os.path.realpath(final)) in (cwd, *cwd.parents):  # (a link loop: no error)
         raise DFlashError(f"{final} is the current directory or holds it; write to a new directory")
     parent = final.parent
     remove_stale(parent, final.name, log)
@@ -217,6 +253,11 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
     if final.exists() or final.is_symlink():
         if not replace and not (final.is_dir() and not any(final.iterdir())):
             raise DFlashError(f"{final} appeared while it was being written; nothing replaced")
+        if not final.is_symlink() and not final.is_dir():  # a file, a FIFO: not an output
+            raise DFlashError(
+                f"{final} is in the way of writing a directory there and is not one (a file "
+                "this tool did not write); nothing was replaced: move it away"
+            )
         old = final.parent / temp_name(final.name, "old")
         _ACTIVE.add(old)
         os.replace(final, old)  # a symbolic link is moved as a link: its target stays

@@ -115,6 +115,10 @@ def user_message(e: BaseException) -> str | None:
             f"a path or name holds a NUL byte{_context(e)}; remove it from the value given "
             "on the command line or in the config"
         )
+    if isinstance(e, RuntimeError) and str(e).startswith("Symlink loop from "):
+        # pathlib's own ELOOP before Python 3.13 (Path.resolve): the environment, not a bug.
+        where = str(e).removeprefix("Symlink loop from ")
+        return f"{where}: a symbolic link loop{_context(e)}; {_OS_FIXES[errno.ELOOP]}"
     if isinstance(e, UnicodeDecodeError):
         return (
             f"a file is not UTF-8 text{_context(e)} ({_first_line(e)}); save it as UTF-8 "

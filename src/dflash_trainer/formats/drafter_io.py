@@ -82,15 +82,17 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise DFlashError(f"{p}: no such drafter, checkpoint or run directory")
-    if (p / SPEC_FILE).is_file():
+    # Whatever the spec is (a FIFO, a dangling link), its reader names what is wrong with it:
+    # a damaged final drafter is never passed over for a checkpoint in silence.
+    if os.path.lexists(p / SPEC_FILE):
         return p
-    if (p / "drafter" / SPEC_FILE).is_file():
+    if os.path.lexists(p / "drafter" / SPEC_FILE):
         return p / "drafter"
     latest = p / "checkpoints" / "LATEST"
-    if latest.is_file():
+    if os.path.lexists(latest):
         name = read_small_text(latest, "checkpoint pointer", 4096).strip()
         cand = inside(p / "checkpoints", name, f"{latest} names a checkpoint that")
-        if (cand / SPEC_FILE).is_file():
+        if os.path.lexists(cand / SPEC_FILE):
             return cand
     raise DFlashError(
         f"{p}: holds no drafter ({SPEC_FILE} + {WEIGHTS_FILE}); give a run directory, a "
@@ -112,7 +114,24 @@ def load_drafter(path: str | Path) -> tuple[DrafterSpec, dict[str, torch.Tensor]
     check_finite(state, str(d / WEIGHTS_FILE))
     meta_path = d / META_FILE
     meta = _json_object(meta_path, "drafter meta") if os.path.lexists(meta_path) else {}
+    _check_meta(meta, meta_path)
     return spec, state, meta
+
+
+_META_SECTIONS = ("target", "source", "drafter", "training", "data", "prepared", "eval")
+_TARGET_NAMES = ("name_or_path", "gguf_file", "dtype", "revision")
+
+
+def _check_meta(meta: dict[str, Any], path: Path) -> None:
+    """The fields of meta.json that readers use (export, eval, the model card), of their
+    types: a hand-edited or damaged one is named here, not met as a crash later."""
+    for key in _META_SECTIONS:
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise DFlashError(f"{path}: `{key}` is not a JSON object; restore the file")
+    target = meta.get("target") or {}
+    for key in _TARGET_NAMES:
+        if target.get(key) is not None and not isinstance(target[key], str):
+            raise DFlashError(f"{path}: `target.{key}` is not a string; restore the file")
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -65,9 +66,10 @@ def detect_format(path: str | Path) -> str:
     p = Path(path)
     if not p.exists():
         raise DFlashError(f"{p}: no such directory")
-    if (p / SPEC_FILE).is_file() or (p / "drafter" / SPEC_FILE).is_file():
-        return "dflash"
-    if (p / "checkpoints" / "LATEST").is_file():
+    # lexists: a damaged spec.json or LATEST is named by its reader, not taken for an export.
+    if any(
+        os.path.lexists(p / f) for f in (SPEC_FILE, f"drafter/{SPEC_FILE}", "checkpoints/LATEST")
+    ):
         return "dflash"
     cfg = read_config(p)
     if "speculators_model_type" in cfg:

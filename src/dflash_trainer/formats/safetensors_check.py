@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from dflash_trainer.atomic_dir import UMASK
 from dflash_trainer.errors import DFlashError, about
 from dflash_trainer.input_files import check_regular, open_regular
 
@@ -210,15 +211,4 @@ def save_safetensors(
     from safetensors.torch import save_file
 
     save_file(tensors, os.fspath(path), metadata=metadata)
-    os.chmod(path, 0o666 & ~_UMASK)
-
-
-def _umask() -> int:
-    # Read once, at import: setting and restoring it later would open a window in which
-    # another thread (checkpoints are written beside training) creates files without it.
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
+    os.chmod(path, 0o666 & ~UMASK)

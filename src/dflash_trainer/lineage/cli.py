@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer import cli_numbers as num
+from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import (
     LINEAGE_FILE,
     append,
@@ -153,8 +155,9 @@ def _add_eval(args: argparse.Namespace) -> int:
     last.setdefault("evals", []).extend(entries)
     write_lineage(d, lineage, read_prompts(d))
     card = d / "README.md"
-    if card.is_file():
-        card.write_text(replace_section(card.read_text(), lineage_lines(lineage)))
+    if card.is_file() and not card.is_symlink():  # the model card of an export
+        text = read_small_text(card, "model card")
+        write_file_atomic(card, replace_section(text, lineage_lines(lineage)))
     print(f"{d / LINEAGE_FILE}: {len(entries)} evaluation(s) attached to continuation "
           f"{last['index']}")  # fmt: skip
     return 0

@@ -26,14 +26,19 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import time
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_input
+from dflash_trainer.json_input import parse_json, read_json
 
 LINEAGE_FILE = "lineage.json"
 PROMPTS_FILE = "lineage_prompts.jsonl.gz"
@@ -77,10 +82,11 @@ def empty() -> Lineage:
 
 def lineage_dir(path: str | Path) -> Path | None:
     """The directory holding the lineage of the drafter at `path` (a drafter directory, or a
-    run directory with a final `drafter/`); None when there is none."""
+    run directory with a final `drafter/`); None when there is none. A lineage.json that is
+    there but is not a regular file is found here and refused by `read_lineage`."""
     p = Path(path)
     for d in (p, p / "drafter"):
-        if (d / LINEAGE_FILE).is_file():
+        if os.path.lexists(d / LINEAGE_FILE):
             return d
     return None
 
@@ -91,19 +97,74 @@ def read_lineage(path: str | Path) -> Lineage | None:
     if d is None:
         return None
     where = d / LINEAGE_FILE
-    try:
-        data = json.loads(where.read_text())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"{where}: not readable as JSON ({e}); restore it from git") from e
-    conts = data.get("continuations") if isinstance(data, dict) else None
-    if data.get("format") != FORMAT or not isinstance(conts, list):
+    data = read_json(where, "lineage")
+    if data.get("format") != FORMAT or not isinstance(data.get("continuations"), list):
         raise DFlashError(f"{where}: not a dflash lineage (format {FORMAT!r} with continuations)")
-    if data.get("version", 0) > VERSION:
-        raise DFlashError(f"{where}: lineage version {data['version']} is newer than this tool")
-    for i, c in enumerate(conts):
-        if not isinstance(c, dict) or c.get("index") != i:
-            raise DFlashError(f"{where}: continuation {i} is damaged or out of order")
+    version = data.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version > VERSION:
+        raise DFlashError(f"{where}: lineage version {version!r:.40} is not one this tool reads "
+                          f"(<= {VERSION}): a newer tool wrote it, or it is damaged")  # fmt: skip
+    for i, c in enumerate(data["continuations"]):
+        problem = _continuation_problem(c, i)
+        if problem:
+            raise DFlashError(f"{where}: continuation {i} is damaged ({problem}); restore the "
+                              "lineage files from the drafter's source")  # fmt: skip
     return dict(data)
+
+
+_COUNTS = ("documents", "assistant_turns", "supervised_tokens", "tokens")
+
+
+def _continuation_problem(c: Any, i: int) -> str | None:
+    """What is wrong with continuation `i`'s shape (the fields every reader uses), or None."""
+    if not isinstance(c, dict) or c.get("index") != i:
+        return "not an object with its index, or out of order"
+    for key, kind in (("data", dict), ("result", dict), ("start", dict)):
+        if c.get(key) is not None and not isinstance(c[key], kind):
+            return f"{key} is not an object"
+    for key in ("exports", "evals"):
+        items = c.get(key)
+        if items is not None and not (
+            isinstance(items, list) and all(isinstance(e, dict) for e in items)
+        ):
+            return f"{key} is not a list of objects"
+    for key in ("start", "result", "exports"):
+        value = c.get(key)
+        entries: list[Any] = value if isinstance(value, list) else [value or {}]
+        if not all(isinstance(e.get("weights_sha256"), str | None) for e in entries):
+            return f"{key}: weights_sha256 is not a string"
+    data = c.get("data") or {}
+    for key, value in [("steps", c.get("steps")), *((k, data.get(k)) for k in _COUNTS)]:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{key} is {value!r:.40}, not a count"
+    sources = data.get("sources")
+    if sources is not None and not (
+        isinstance(sources, dict) and all(isinstance(r, dict) for r in sources.values())
+    ):
+        return "data.sources is not a map of per-source counts"
+    ids = data.get("prompt_ids")
+    if ids is not None and not (
+        isinstance(ids, dict) and isinstance(ids.get("count"), int)
+        and isinstance(ids.get("sha256"), str)
+    ):  # fmt: skip
+        return "data.prompt_ids is not {count, sha256}"
+    return None
+
+
+def _prompt_lines(f: Path) -> dict[int, PromptTurns]:
+    """{index: {prompt id: turns}} of a lineage_prompts file (decompressed with a bound)."""
+    lines: dict[int, PromptTurns] = {}
+    try:
+        with open_input(f, "lineage prompts") as raw:
+            for n, line in enumerate(raw, 1):
+                row = parse_json(line, f"{f}: line {n}", dict)
+                index, prompts = row.get("index"), row.get("prompts")
+                if not isinstance(index, int) or not isinstance(prompts, dict):
+                    raise DFlashError(f"{f}: line {n} is not {{index, prompts}}")
+                lines[index] = dict(prompts)
+    except (OSError, EOFError, zlib.error) as e:  # gzip: damaged or cut short
+        raise DFlashError(f"{f}: not a readable gzip file ({type(e).__name__}: {e})") from e
+    return lines
 
 
 def read_prompts(path: str | Path) -> list[PromptTurns]:
@@ -113,12 +174,7 @@ def read_prompts(path: str | Path) -> list[PromptTurns]:
         return []
     d = lineage_dir(path)
     assert d is not None
-    lines: dict[int, PromptTurns] = {}
-    if (d / PROMPTS_FILE).is_file():
-        with gzip.open(d / PROMPTS_FILE, "rt", encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                lines[int(row["index"])] = dict(row["prompts"])
+    lines = _prompt_lines(d / PROMPTS_FILE) if os.path.lexists(d / PROMPTS_FILE) else {}
     out = []
     for c in lineage["continuations"]:
         rec = (c.get("data") or {}).get("prompt_ids")
@@ -151,9 +207,7 @@ def write_lineage(directory: str | Path, lineage: Lineage, prompts: list[PromptT
     """Both files, each written to a temporary sibling and renamed into place."""
     d = Path(directory)
     for name, data in sorted(lineage_files(lineage, prompts).items(), reverse=True):
-        tmp = d / f".{name}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(d / name)
+        write_file_atomic(d / name, data)
 
 
 # ------------------------------------------------------------------------- continuation

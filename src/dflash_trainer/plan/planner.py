@@ -443,10 +443,18 @@ def calibrate(
     The run is predicted with its own config, its target.precision included, so a run
     with an FP8 target calibrates against the FP8 prediction; `dflash plan` applies the
     same two factors to every precision it prints."""
+    from dflash_trainer.json_input import is_number
     from dflash_trainer.train.run_dir import read_metrics
 
+    def measured(value: Any) -> bool:  # a row of another shape (damage, a hand edit): skipped
+        return is_number(value) and value > 0
+
     run = Path(run_dir)
-    records = [r for r in read_metrics(run) if "target_time_s" in r and "drafter_time_s" in r]
+    records = [
+        r
+        for r in read_metrics(run)
+        if measured(r.get("target_time_s")) and measured(r.get("drafter_time_s"))
+    ]
     if not records:
         raise DFlashError(
             f"--calibrate {run}: no metrics.jsonl records with target_time_s / drafter_time_s"
@@ -463,7 +471,7 @@ def calibrate(
     target_meas = statistics.median(float(r["target_time_s"]) for r in records)
     drafter_meas = statistics.median(float(r["drafter_time_s"]) for r in records)
     pred_target = base.times.target_side
-    mem = [float(r["peak_mem_gb"]) for r in records if "peak_mem_gb" in r]
+    mem = [float(r["peak_mem_gb"]) for r in records if measured(r.get("peak_mem_gb"))]
     ratio = None
     if mem:
         drafter_gpu = base.memory[-1]

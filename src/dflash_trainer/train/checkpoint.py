@@ -51,6 +51,8 @@ from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.drafter_io import save_drafter_files
 from dflash_trainer.formats.safetensors_check import save_safetensors
+from dflash_trainer.input_files import check_regular, open_regular
+from dflash_trainer.json_input import read_json
 from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
 
 LATEST = "LATEST"
@@ -97,8 +99,9 @@ def _warn(msg: str) -> None:
 
 
 def _sha256(path: Path) -> str:
+    """The file's sha256; only a regular file is opened (a FIFO would block the resume)."""
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path, "checkpoint file") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -108,15 +111,16 @@ def _damaged_files(d: Path) -> list[str] | None:
     """Files of checkpoint directory `d` whose sha256 differs from checksums.json.
 
     [] when all match; None when the checkpoint has no checksums.json (older code wrote
-    none): its files cannot be verified.
+    none): its files cannot be verified. A checksums.json that is there but is not a
+    regular file of sums (a dangling link, a FIFO, garbage) makes the checkpoint damaged.
     """
     manifest = d / CHECKSUMS
-    if not manifest.exists():
+    if not os.path.lexists(manifest):
         return None
     try:
-        sums = json.loads(manifest.read_bytes()[: 1 << 20])["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return [f"{CHECKSUMS} (unreadable)"]
+        sums = read_json(manifest, "checksums", max_bytes=1 << 20).get("sha256")
+    except DFlashError as e:
+        return [f"{CHECKSUMS} (unreadable: {e})"]
     if not isinstance(sums, dict) or not all(
         _PLAIN_NAME.match(str(k)) and isinstance(v, str) for k, v in sums.items()
     ):
@@ -124,10 +128,14 @@ def _damaged_files(d: Path) -> list[str] | None:
     bad = []
     for fname, want in sorted(sums.items()):
         f = d / fname
-        if not f.is_file():
+        if not os.path.lexists(f):
             bad.append(f"{fname} (missing)")
-        elif _sha256(f) != want:
-            bad.append(f"{fname} (checksum mismatch, {f.stat().st_size} bytes)")
+            continue
+        try:
+            if _sha256(f) != want:
+                bad.append(f"{fname} (checksum mismatch, {f.stat().st_size} bytes)")
+        except (DFlashError, OSError) as e:
+            bad.append(f"{fname} ({type(e).__name__}: {e})")
     return bad
 
 
@@ -140,14 +148,14 @@ def _read_files(d: Path, name: str, location: str) -> CheckpointData:
     drafter_state = load_checked(d / WEIGHTS_FILE, d)
     opt = unflatten_optimizer(
         load_checked(d / "optimizer.safetensors", d),
-        json.loads((d / "optimizer.json").read_text()),
+        read_json(d / "optimizer.json", "optimizer state"),
     )
-    trainer_state = _checked_trainer_state(json.loads((d / "trainer_state.json").read_text()))
+    trainer_state = _checked_trainer_state(read_json(d / "trainer_state.json", "trainer state"))
     rng = load_checked(d / "trainer_state.safetensors", d)
-    spec = json.loads((d / SPEC_FILE).read_text()) if (d / SPEC_FILE).is_file() else {}
-    meta = json.loads((d / META_FILE).read_text()) if (d / META_FILE).is_file() else {}
-    if not isinstance(spec, dict) or not isinstance(meta, dict):
-        raise ValueError(f"{SPEC_FILE} or {META_FILE} is not a JSON object")
+    spec, meta = (
+        read_json(d / name, what) if os.path.lexists(d / name) else {}
+        for name, what in ((SPEC_FILE, "drafter spec"), (META_FILE, "checkpoint meta"))
+    )
     return CheckpointData(
         name, location, drafter_state, opt, trainer_state, rng, spec=spec, meta=meta
     )
@@ -175,6 +183,11 @@ def _checked_trainer_state(ts: Any) -> dict[str, Any]:
     if "scheduler" in ts and not isinstance(ts["scheduler"], dict):
         raise ValueError("trainer_state.json: scheduler is not a JSON object")
     return ts
+
+
+_UNREADABLE: tuple[type[Exception], ...] = (OSError, ValueError, KeyError, TypeError)
+_UNREADABLE += (AttributeError, SafetensorError, DFlashError)
+"""What a checkpoint file that does not parse raises (the checkpoint counts as damaged)."""
 
 
 class Checkpointer:
@@ -294,13 +307,15 @@ class Checkpointer:
         if not self.fs.exists(p):
             return None
         try:
+            if self.local:  # a FIFO or a device there would block or never end
+                check_regular(p, LATEST)
             with self.fs.open(p, "rb") as f:
                 raw = f.read(256)  # a name is ~13 bytes: never read a huge file whole
             name = raw.decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, UnicodeDecodeError, DFlashError) as e:
             self.log(
-                f"{self.root}/{LATEST} is unreadable ({type(e).__name__}); ignoring it and "
-                "using the newest complete step_* directory (the next save rewrites it)"
+                f"{self.root}/{LATEST} is unreadable ({e}); ignoring it and using the newest "
+                "complete step_* directory (the next save rewrites it)"
             )
             return None
         if not name:
@@ -372,7 +387,7 @@ class Checkpointer:
                 return None, ", ".join(bad)
             try:
                 data = _read_files(local, name, f"{self.root}/{name}")
-            except (OSError, ValueError, KeyError, TypeError, SafetensorError, DFlashError) as e:
+            except _UNREADABLE as e:
                 # A checkpoint without checksums (older code): a file that does not parse.
                 return None, f"unreadable ({type(e).__name__}: {e})"
             if bad is None:

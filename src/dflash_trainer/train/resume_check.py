@@ -19,14 +19,13 @@ A drafter whose weight shapes differ cannot continue at all, with or without the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from dflash_trainer.config import Config, config_to_dict
+from dflash_trainer.config import Config, ConfigError, config_to_dict, load_yaml
 from dflash_trainer.errors import DFlashError
 
 Log = Callable[[str], None]
@@ -149,15 +148,13 @@ def judge(changes: list[Change], allow: bool, where: str, log: Log) -> list[Chan
 def saved_config(run_dir: Path, log: Log) -> dict[str, Any] | None:
     """RUN/config.yaml as a dict; None (said) when absent or unreadable."""
     path = run_dir / "config.yaml"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        log(f"{path} is unreadable ({type(e).__name__}); the config is checked against the "
-            "checkpoint's record only")  # fmt: skip
+    try:  # a regular file of strict YAML (config.load_yaml), as every config is read
+        return load_yaml(path)
+    except ConfigError as e:
+        log(f"{e}; the config is checked against the checkpoint's record only")
         return None
-    return data if isinstance(data, dict) else None
 
 
 def check_saved_config(run_dir: Path, cfg: Config, allow: bool, log: Log) -> list[Change]:
@@ -166,6 +163,25 @@ def check_saved_config(run_dir: Path, cfg: Config, allow: bool, log: Log) -> lis
     if saved is None:
         return []
     return judge(config_changes(saved, config_to_dict(cfg)), allow, str(run_dir), log)
+
+
+SECTIONS = ("target", "drafter", "training", "data")
+"""The config sections a checkpoint's meta.json records (train_state.run_meta)."""
+
+
+def check_checkpoint_config(
+    data: Any, cfg: Config, known: list[Change], allow: bool, log: Log
+) -> list[Change]:
+    """The second check, before the target loads: this config against the sections the
+    checkpoint being resumed (`data`, a CheckpointData) recorded in its meta.json, so an
+    edited or damaged config.yaml is refused at once, not after minutes of loading. Fields
+    `known` (the first check's) are not judged again. Returns the new changes."""
+    meta = data.meta if isinstance(data.meta, dict) else {}
+    sections = {k: meta[k] for k in SECTIONS if isinstance(meta.get(k), dict)}
+    mine = {k: config_to_dict(getattr(cfg, k)) for k in sections}
+    fields = {c.field for c in known}
+    new = [c for c in config_changes(sections, mine) if c.field not in fields]
+    return judge(new, allow, data.location, log)
 
 
 def check_checkpoint(tr: Any, data: Any) -> list[Change]:
@@ -222,8 +238,7 @@ def checkpoint_changes(
             "run's drafter settings, or start a new run with drafter.init_from set to it "
             "(after making the drafter section match)"
         )
-    names = ("target", "drafter", "training", "data")
-    sections: dict[str, Any] = {k: meta[k] for k in names if k in meta}
+    sections: dict[str, Any] = {k: meta[k] for k in SECTIONS if k in meta}
     mine: dict[str, Any] = {k: current_meta[k] for k in sections if k in current_meta}
     changes = config_changes(sections, mine)
     changes += [Change(k, a, b, None) for k, (a, b) in soft.items()]

@@ -16,15 +16,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.config import Config, config_to_dict
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_regular
+from dflash_trainer.json_input import is_number, parse_json, read_json
 from dflash_trainer.redact import NOTE, redact_argv, redact_config
 from dflash_trainer.train.checkpoint import existing_checkpoints, remove_checkpoints
 
@@ -112,18 +115,19 @@ def record_config_changes(
     _write_atomic(run_dir / "run_info.json", json.dumps(info, indent=2, default=str) + "\n")
 
 
+RUN_INFO_BYTES = 16 << 20
+"""run_info.json grows by one start's provenance (~1 kB) per resume."""
+
+
 def read_run_info(run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any] | None:
     """run_info.json as a dict; None if absent. A damaged one is renamed aside, said."""
     path = run_dir / "run_info.json"
-    if not path.exists() and not path.is_symlink():
+    if not os.path.lexists(path):
         return None
-    try:
-        data = json.loads(path.read_bytes()[: 64 << 20])
-        if isinstance(data, dict):
-            return data
-        why = f"a JSON {type(data).__name__}, not an object"
-    except (OSError, ValueError) as e:
-        why = f"{type(e).__name__}: {str(e)[:80]}"
+    try:  # a regular file of a JSON object (a FIFO is damage, never waited on)
+        return dict(read_json(path, "run info", max_bytes=RUN_INFO_BYTES))
+    except DFlashError as e:
+        why = str(e).removeprefix(f"run info {path}").lstrip(": ")[:200]
     aside = path.with_name(f"run_info.json.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         os.replace(path, aside)
@@ -179,12 +183,7 @@ def check_fresh_start(
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file_atomic(path, text)
 
 
 class MetricsLog:
@@ -194,11 +193,16 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
         self._tb: Any = None
-        if enabled:
+        tb = run_dir / "tb"
+        if enabled and (tb.is_symlink() or (os.path.lexists(tb) and not tb.is_dir())):
+            # Not the run's own folder (a link out of the run, a file): never written through.
+            print(f"[dflash] {tb} is not a directory of the run (a link or a file): no "
+                  "TensorBoard events this time (metrics.jsonl has every number)", file=sys.stderr)  # fmt: skip
+        elif enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tb"))
+                self._tb = SummaryWriter(str(tb))
             except ImportError:
                 self._tb = None
 
@@ -207,14 +211,15 @@ class MetricsLog:
         step on resume, 0 on a fresh start. Rewritten atomically (a crash keeps the old
         file). Damaged rows (a torn last line after a crash, bytes that are not a JSON
         object with a numeric step) are dropped too; returns how many."""
-        if not self.enabled or not (self.path.exists() or self.path.is_symlink()):
+        if not self.enabled or not os.path.lexists(self.path):
             return 0
-        if not self.path.is_file():
+        if self.path.is_symlink() or not self.path.is_file():
             raise DFlashError(
-                f"{self.path} is not a file; move it away (the run's metrics are written there)"
+                f"{self.path} is not a file (a link, a directory or a FIFO); move it away (the "
+                "run's metrics are written there)"
             )
         keep, damaged = [], 0
-        for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        for line in _lines(self.path):
             row = _metrics_row(line)
             if row is None:
                 damaged += line.strip() != ""
@@ -243,25 +248,37 @@ class MetricsLog:
             self._tb.close()
 
 
+def _lines(path: Path) -> Iterator[str]:
+    """The lines of a regular file (a FIFO is refused, never waited on), undecodable bytes
+    replaced: one damaged row costs that row only."""
+    with open_regular(path, "metrics file") as f:
+        for raw in f:
+            yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+
 def _metrics_row(line: str) -> dict[str, Any] | None:
-    """A metrics.jsonl line as its row, or None if damaged (not an object with a numeric
-    step)."""
+    """A metrics.jsonl line as its row, or None if damaged (not a JSON object with a finite
+    step, or nested like no row is)."""
     try:
-        row = json.loads(line)
-    except ValueError:
+        row = parse_json(line, "metrics row", dict)
+    except DFlashError:
         return None
-    if not isinstance(row, dict):
-        return None
-    step = row.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, int | float) or step != step:
-        return None
-    return row
+    return row if is_number(row.get("step", 0)) else None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The rows of RUN/metrics.jsonl (damaged lines left out); [] without one."""
+    """The rows of RUN/metrics.jsonl (damaged lines left out); [] without one. A metrics file
+    that is not a regular file (a FIFO, a directory) is an error naming it."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    try:
+        os.lstat(path)  # other errors (a name too long, a file as a directory) are said
+    except FileNotFoundError:
         return []
-    text = path.read_bytes().decode("utf-8", errors="replace")
-    return [row for row in map(_metrics_row, text.splitlines()) if row is not None]
+    return [row for row in map(_metrics_row, _lines(path)) if row is not None]
+
+
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows whose `key` is a finite number: a row of the wrong shape
+    (written by hand, another version, damage) is left out of the curve, not a crash."""
+    pairs = [(r["step"], r[key]) for r in rows if is_number(r.get(key)) and "step" in r]
+    return [float(s) for s, _ in pairs], [float(v) for _, v in pairs]

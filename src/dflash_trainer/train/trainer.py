@@ -3,7 +3,8 @@
 `Trainer.__init__` builds the parts in this order, one builder per stage, each reading
 the ones before it:
   1. `_build_world`: torchrun ranks and devices, the run directory (refusing to start
-     over a run that has checkpoints unless asked), config and provenance files;
+     over a run that has checkpoints unless asked; on resume, the checkpoint to continue,
+     checked against the config before any weights load), config and provenance files;
   2. `_build_target`: the frozen target (taps) and the drafter spec derived from it;
   3. `_build_drafter`: the drafter, optionally from a published or exported drafter;
   4. `_build_parallelism`: data parallelism (DDP / FSDP2) around the drafter;
@@ -14,8 +15,8 @@ the ones before it:
   6. `_build_data`: prepared shards (prepared on first use), the token-budget batcher
      and the run's step count;
   7. `_build_optimizer`: optimizer and schedule (the schedule needs the step count);
-  8. `_build_checkpointer`: checkpoints, then resume (train/checkpoint.py says what a
-     checkpoint holds);
+  8. `_build_checkpointer`: checkpoints, then the resumed state restored
+     (train/checkpoint.py says what a checkpoint holds);
   9. `_build_metrics`: JSONL and TensorBoard, cut back to the resumed step.
 `train()` is the loop; `train_step()` and its stages are in train/stepping.py.
 """
@@ -38,16 +39,22 @@ from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
 from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_run
+from dflash_trainer.target.configs import allow_remote_code
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
-from dflash_trainer.train.checkpoint import Checkpointer
+from dflash_trainer.train.checkpoint import CheckpointData, Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
 from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm
 from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.metrics_window import console_line, window_record
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
-from dflash_trainer.train.resume_check import Change, check_checkpoint, check_saved_config
+from dflash_trainer.train.resume_check import (
+    Change,
+    check_checkpoint,
+    check_checkpoint_config,
+    check_saved_config,
+)
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
 from dflash_trainer.train.step import (
     settings_for_spec,
@@ -65,6 +72,8 @@ def _quiet(msg: str) -> None:
 
 
 class Trainer(Stepper):
+    checkpointer: Checkpointer
+
     def __init__(
         self,
         cfg: Config,
@@ -124,12 +133,36 @@ class Trainer(Stepper):
             # Before any file of the run is rewritten: a fresh start over checkpoints
             # would silently move LATEST back and repeat metrics rows.
             check_fresh_start(self.cfg, self.run_dir, overwrite, self.world.is_main, self._log)
-        if resume:  # before the target loads: a changed run is refused at once
-            self._config_changes = check_saved_config(
-                self.run_dir, self.cfg, self.allow_config_change, self._warn
-            )
+        self._resume_from = self._resume_point() if resume else None
         if self.world.is_main:
             write_run_files(self.run_dir, self.cfg, argv, _warn, self._config_changes)
+
+    def _resume_point(self) -> CheckpointData:
+        """The checkpoint a resume continues, checked before the target loads, in this order:
+        the target's repository code (a config.yaml that asks to run it, say in a run
+        directory someone sent, is refused before anything else is compared or loaded), then
+        this config against RUN/config.yaml and against what the checkpoint recorded, so a
+        changed run is refused at once."""
+        allow_remote_code(self.cfg.target)
+        allow = self.allow_config_change
+        self._config_changes = check_saved_config(self.run_dir, self.cfg, allow, self._warn)
+        data = self._checkpointer().load()
+        self._config_changes += check_checkpoint_config(
+            data, self.cfg, self._config_changes, allow, self._warn
+        )
+        return data
+
+    def _checkpointer(self) -> Checkpointer:
+        if getattr(self, "checkpointer", None) is None:
+            cfg = self.cfg
+            self.checkpointer = Checkpointer(
+                cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints"),
+                cfg.training.keep_last,
+                cfg.run.storage_options,
+                _warn if self.world.is_main else _quiet,
+                not self.dry_run,
+            )
+        return self.checkpointer
 
     def _build_target(self) -> None:
         # Whole on each rank, FSDP-sharded over the ranks (loaded on the host, then
@@ -219,12 +252,7 @@ class Trainer(Stepper):
         self.scheduler = build_scheduler(self.optimizer, self.cfg.training, self.total_steps)
 
     def _build_checkpointer(self, resume: bool) -> None:
-        cfg = self.cfg
-        ckpt_root = cfg.run.checkpoint_dir or str(self.run_dir / "checkpoints")
-        log = _warn if self.world.is_main else _quiet
-        self.checkpointer = Checkpointer(
-            ckpt_root, cfg.training.keep_last, cfg.run.storage_options, log, not self.dry_run
-        )
+        self._checkpointer()
         self.step = 0
         self.micro_steps = 0  # micro-steps drawn (empty steps draw without stepping)
         self.position = Position()
@@ -233,8 +261,9 @@ class Trainer(Stepper):
         self.truncated_total = 0
         self.tokens_seen = 0
         if resume:
-            data = self.checkpointer.load()
-            check_checkpoint(self, data)  # what trained it, beside this run's config
+            data = self._resume_from
+            assert data is not None  # loaded by _build_world
+            check_checkpoint(self, data)  # its geometry and data, beside this run's
             restore_state(self, data)
             self._log(f"resumed from {data.location} at step {self.step}")
 
