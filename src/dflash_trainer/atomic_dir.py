@@ -22,6 +22,8 @@ hold it; a `.old-` directory gets one as soon as it has been moved aside.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
 import re
@@ -32,6 +34,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from dflash_trainer.errors import DFlashError
 
@@ -66,13 +69,28 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 
 
+_LONG_NAME = 160
+"""Bytes of a name kept whole in a temporary name; a longer one is cut and hashed, so that the
+temporary name stays within the file system's 255 bytes whenever the final name does."""
+
+
+def short_name(name: str) -> str:
+    """`name`, or for a long one its first bytes and a hash (see _LONG_NAME)."""
+    raw = os.fsencode(name)
+    if len(raw) <= _LONG_NAME:
+        return name
+    return f"{os.fsdecode(raw[:_LONG_NAME])}~{hashlib.sha256(raw).hexdigest()[:12]}"
+
+
 def temp_name(name: str, kind: str = "tmp") -> str:
     """The sibling name this process uses while writing (`tmp`) or replacing (`old`) `name`."""
-    return f".{name}.{kind}-{_host()}-{os.getpid()}"
+    return f".{short_name(name)}.{kind}-{_host()}-{os.getpid()}"
 
 
 def _write_marker(d: Path) -> None:
-    (d / MARKER).write_text(json.dumps({"tool": _TOOL, "host": _host(), "pid": os.getpid()}))
+    (d / MARKER).write_text(
+        json.dumps({"tool": _TOOL, "host": _host(), "pid": os.getpid()}), encoding="utf-8"
+    )
 
 
 def _marked(d: Path, host: str, pid: int) -> bool:
@@ -81,7 +99,7 @@ def _marked(d: Path, host: str, pid: int) -> bool:
     try:
         if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 4096:
             return False
-        data = json.loads(marker.read_text())
+        data = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data == {"tool": _TOOL, "host": host, "pid": pid}
@@ -112,7 +130,7 @@ def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> l
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or (name is not None and m["name"] != name):
+        if m is None or (name is not None and m["name"] != short_name(name)):
             continue
         path = Path(entry.path)
         if not entry.is_dir(follow_symlinks=False) or path in _ACTIVE:
@@ -162,28 +180,6 @@ def fsync_path(path: Path) -> None:
             raise
     finally:
         os.close(fd)
-
-
-def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
-    """Write one file whole or not at all: a new temporary sibling (created exclusively, so
-    never through a link or over another file), fsynced, then renamed over `path`. A link at
-    `path` is replaced, never written through: the file it points to stays as it was."""
-    final = Path(path)
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp's 0600: the file follows the umask
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_path(final.parent)
-    return final
 
 
 def check_replaceable(final: Path, ours: Callable[[str], bool], what: str) -> None:
@@ -277,3 +273,46 @@ def _publish(tmp: Path, final: Path, replace: bool) -> None:
         else:
             shutil.rmtree(old, ignore_errors=True)
         _ACTIVE.discard(old)
+
+
+def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
+    """Write the file `path` whole or not at all (text as UTF-8, whatever the locale; a path
+    quoted in it whose bytes are not UTF-8 is written escaped, `\\udcff`, so the file stays
+    UTF-8 that its readers can read).
+
+    The bytes go to a new temporary sibling (created exclusively, so never through a link or
+    over another file; named after `path`, cut short for a long name), are fsynced and renamed
+    over `path`: a reader sees the previous file or the new one, never part of one. Any failure
+    (a full disk, Ctrl-C, SIGTERM through the CLI's handler) removes the temporary; only
+    SIGKILL or a lost machine can leave it, hidden, and never at `path`. A link at `path` is
+    replaced, never written through: the file it points to stays as it was.
+    """
+    final = Path(path)
+    if not final.name or final.name in (".", ".."):
+        raise DFlashError(f"{os.fspath(path)!r} names no file; give a file name to write")
+    if final.is_dir():
+        raise DFlashError(f"{final} is a directory; give the name of a file to write")
+    raw = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
+    prefix = f".{short_name(final.name)}."
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=prefix, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp's 0600: the file follows the umask
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_path(final.parent)
+    return final
+
+
+def save_png(fig: Any, path: str | Path, dpi: int = 120) -> Path:
+    """A matplotlib figure as a PNG at `path`, written whole or not at all (a figure saved to
+    its final name directly is a truncated image there if the process dies while saving)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return write_file_atomic(path, buf.getvalue())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.atomic_dir import short_name
 from dflash_trainer.errors import DFlashError
 
 Log = Callable[[str], None]
@@ -46,7 +47,7 @@ def _stderr(message: str) -> None:
 def _proc_start(pid: int) -> str | None:
     """The kernel's start time of process `pid` (clock ticks since boot), None if unknown."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[-1].split()
@@ -104,7 +105,7 @@ def run_lock_path(run_dir: str | Path) -> Path:
 def output_lock_path(out: str | Path) -> Path:
     """The lock of a directory that is replaced whole: a sibling file, kept out of it."""
     out = Path(os.path.abspath(out))
-    return out.parent / f".{out.name}.dflash-lock"
+    return out.parent / f".{short_name(out.name)}.dflash-lock"
 
 
 def _describe(holder: dict[str, Any] | None) -> str:
@@ -132,7 +133,9 @@ def _open(path: Path) -> int:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise DFlashError(f"{path} is a symbolic link; delete it (it is a lock file)") from e
-        raise DFlashError(f"cannot create the lock file {path}: {e.strerror or e}") from e
+        from dflash_trainer.cli_errors import user_message
+
+        raise DFlashError(f"cannot create the lock file {path}: {user_message(e)}") from e
 
 
 def _stale_holder_alive(holder: dict[str, Any], path: Path, what: str) -> None:
@@ -186,7 +189,7 @@ def _acquire(path: Path, command: str, what: str, log: Log) -> DirLock:
             if not locked:
                 raise DFlashError(
                     f"{what} is in use by {_describe(_read_holder(fd))}; wait for it to "
-                    f"finish or stop it, or use another directory (lock file {path})"
+                    f"finish or stop it, or write elsewhere (lock file {path})"
                 )
             if _same_file(fd, path):
                 _take(fd, path, command, what, log)
