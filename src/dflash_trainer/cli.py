@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dflash_trainer import __version__
 from dflash_trainer.cli_errors import debug_requested, report
+from dflash_trainer.cli_streams import guarded
 from dflash_trainer.config_cli import in_command_line_order
 from dflash_trainer.target.configs import remote_code_granted
 
@@ -116,18 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = [a for i, a in enumerate(argv) if i >= end or a != "--debug"]
     selected = next((a for a in argv if not a.startswith("-")), None)
     command = selected if selected in COMMANDS else "(no command)"
-    try:
-        parser = _build_parser(selected if selected in COMMANDS else None)
-        args = _parse(parser, argv)
-        if args.command is None:
-            parser.print_help()
-            return 0
-        run: Callable[[argparse.Namespace], int] = args._run
-        # Repository code of a target runs only when the command line says so.
-        with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
-            return int(run(args) or 0)
-    except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
-        return report(command, e, debug)  # SystemExit (argparse, --help) passes through
+    with guarded():  # SIGTERM, a closed output pipe, an unprintable character (cli_streams.py)
+        try:
+            parser = _build_parser(selected if selected in COMMANDS else None)
+            args = _parse(parser, argv)
+            if args.command is None:
+                parser.print_help()
+                return 0
+            run: Callable[[argparse.Namespace], int] = args._run
+            # Repository code of a target runs only when the command line says so.
+            with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
+                return int(run(args) or 0)
+        except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
+            return report(command, e, debug)  # SystemExit (argparse, --help) passes through
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 import traceback
 from types import TracebackType
 
+from dflash_trainer.cli_streams import Terminated
 from dflash_trainer.config_fields import ConfigError
 from dflash_trainer.errors import CONTEXT_ATTR, DFlashError
 
@@ -31,6 +32,8 @@ USER_ERROR = 2
 INTERNAL_ERROR = 70
 """Exit status of a bug (EX_SOFTWARE): a fuzzer or a script tells it from a user error."""
 INTERRUPTED = 130
+TERMINATED = 143
+"""128 + SIGTERM, what a shell reports for a process SIGTERM ended."""
 
 # Libraries whose errors, raised from their own code, are about the input they were given.
 _LIBRARIES = ("transformers", "tokenizers", "huggingface_hub", "safetensors", "yaml", "jinja2")
@@ -70,11 +73,24 @@ def _first_line(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _in_the_way(name: str | bytes | int | None) -> str | None:
+    """Why EEXIST: creating a directory where something else (a file, a dead link) stands."""
+    if name is None or isinstance(name, int):
+        return None
+    if os.path.islink(name) and not os.path.exists(name):
+        return "it is a link to nothing: remove the link or give another path"
+    if os.path.exists(name) and not os.path.isdir(name):
+        return "it is a file where a directory is needed: move it or give another path"
+    return None
+
+
 def _os_message(e: OSError) -> str:
     names = [n for n in (e.filename, e.filename2) if n is not None]
     where = " -> ".join(repr(os.fsdecode(n)) for n in names) if names else "a file"
     what = e.strerror or _first_line(e)
     fix = _OS_FIXES.get(e.errno or -1, "check the path and the disk, then run the command again")
+    if e.errno == errno.EEXIST:
+        fix = _in_the_way(e.filename) or fix
     return f"{where}: {what}; {fix}"
 
 
@@ -119,6 +135,16 @@ def user_message(e: BaseException) -> str | None:
         # pathlib's own ELOOP before Python 3.13 (Path.resolve): the environment, not a bug.
         where = str(e).removeprefix("Symlink loop from ")
         return f"{where}: a symbolic link loop{_context(e)}; {_OS_FIXES[errno.ELOOP]}"
+    if isinstance(e, UnicodeEncodeError) and (
+        "surrogates not allowed" in str(e) or e.encoding.lower() not in ("utf-8", "utf8")
+    ):
+        # A name whose bytes are not UTF-8, or any non-ASCII name under a locale that is not
+        # UTF-8 (LC_ALL=C with PYTHONUTF8=0), reaching a library that takes text names only.
+        return (
+            f"a path or name cannot be encoded for the library that opens it{_context(e)} "
+            f"({_first_line(e)}): its bytes are not UTF-8, or the locale is not UTF-8; rename "
+            "it with ASCII characters, or run under a UTF-8 locale (LANG=C.UTF-8)"
+        )
     if isinstance(e, UnicodeDecodeError):
         return (
             f"a file is not UTF-8 text{_context(e)} ({_first_line(e)}); save it as UTF-8 "
@@ -141,6 +167,9 @@ def user_message(e: BaseException) -> str | None:
 
 def report(command: str, e: BaseException, debug: bool) -> int:
     """Print the failure of `dflash <command>` and return the exit status."""
+    if isinstance(e, Terminated):
+        print(f"dflash {command}: terminated (SIGTERM)", file=sys.stderr)
+        return TERMINATED
     if isinstance(e, KeyboardInterrupt):
         print(f"dflash {command}: interrupted", file=sys.stderr)
         return INTERRUPTED
