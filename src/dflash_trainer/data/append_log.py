@@ -2,7 +2,9 @@
 reading them back to resume.
 
 Why one write, flushed and fsynced: a job killed at any moment leaves at most one partial
-last line, which the next job's read drops before it appends.
+last line, which the next job's read drops before it appends. Only a tail that begins like a
+record of ours (`RECORD_START`) is dropped: a file that merely lacks its last newline is another
+program's (a `--out` naming the wrong file), and cutting it would destroy it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+from dflash_trainer.errors import DFlashError
+
+RECORD_START = b'{"id": '
+"""How every record line of these outputs begins (json.dumps of a dict whose first key is id)."""
 
 
 def complete_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
@@ -24,8 +31,17 @@ def complete_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
                 break
             yield lineno, good_end, line
             good_end += len(line)
-    if good_end < path.stat().st_size:
+    size = path.stat().st_size
+    if good_end < size:
         with open(path, "r+b") as f:
+            f.seek(good_end)
+            tail = f.read(len(RECORD_START))
+            if not RECORD_START.startswith(tail) and not tail.startswith(RECORD_START):
+                raise DFlashError(
+                    f"{path}: its last line ({size - good_end:,} bytes without a newline) is "
+                    "not a record this tool writes, so the file is not one of its outputs; "
+                    "nothing was changed: move it aside or give another --out"
+                )
             f.truncate(good_end)
 
 

@@ -173,7 +173,7 @@ def _prepare(args: argparse.Namespace) -> int:
             f"unsupervised, {loops['trimmed_tokens']} trailing tokens dropped"
         )
     print()
-    print((out / "stats.txt").read_text().rstrip())
+    print((out / "stats.txt").read_text(encoding="utf-8").rstrip())
     print(f"\nprepared {out} in {time.perf_counter() - t0:.1f} s", end="")
     print(f" (built in {manifest['prepare_seconds']} s)" if "prepare_seconds" in manifest else "")
     return 0
@@ -201,6 +201,15 @@ def _engine_or_hf(backend: str, model: object) -> str:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
+    from dflash_trainer.outputs import check_not_input, output_file, writing
+
+    args.out = output_file(args.out, "--out")
+    check_not_input(args.out, "--out", [args.model, args.tokenizer], data=[args.input])
+    with writing(args.out, "dflash data regenerate", f"the regeneration output {args.out}"):
+        return _regenerate_locked(args)
+
+
+def _regenerate_locked(args: argparse.Namespace) -> int:
     from dflash_trainer.data.formats import read_records
     from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
     from dflash_trainer.data.records import Conversation, ReadReport
@@ -400,6 +409,15 @@ def _add_synthesize(sub: Any) -> None:
 
 
 def _synthesize(args: argparse.Namespace) -> int:
+    from dflash_trainer.outputs import check_not_input, output_file, writing
+
+    args.out = output_file(args.out, "--out")
+    check_not_input(args.out, "--out", [args.model, args.tokenizer])
+    with writing(args.out, "dflash data synthesize", f"the synthesis output {args.out}"):
+        return _synthesize_locked(args)
+
+
+def _synthesize_locked(args: argparse.Namespace) -> int:
     from dflash_trainer.data.loading import load_causal_lm, load_tokenizer
     from dflash_trainer.data.synthesize import SynthSettings, synthesize
 
@@ -448,8 +466,10 @@ def _synthesize(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from dflash_trainer.data.shards import PreparedDataset, read_manifest
-    from dflash_trainer.data.stats import dataset_stats, format_stats, plot_lengths
+    from dflash_trainer.data.stats import check_png_path, dataset_stats, format_stats, plot_lengths
 
+    if args.png is not None:
+        args.png = check_png_path(args.png, "--png")
     if args.path.is_file():
         return prompts_cli.print_prompt_file_stats(args.path)
     manifest = read_manifest(args.path)

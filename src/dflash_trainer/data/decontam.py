@@ -51,6 +51,7 @@ from dflash_trainer.data.overlap_text import (
 from dflash_trainer.data.records import SKIP_REASONS, Conversation
 from dflash_trainer.data.sources import iter_values
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import check_regular
 
 DEFAULT_NGRAM = 13
 RULES = ("ngram", "signature", "near_duplicate")
@@ -198,8 +199,7 @@ class EvalIndex:
 
     def add_file(self, path: str | Path) -> None:
         p = Path(path).expanduser()
-        if not p.is_file():
-            raise DFlashError(f"decontamination file {p} does not exist")
+        check_regular(p, "decontamination file")  # missing, a directory, a FIFO: said as such
         count = 0
         for eval_id, record in _eval_records(p, p.name):
             self._add_record(eval_id, record, None)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,12 +28,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.atomic_dir import temp_name
 from dflash_trainer.config import ConfigError, SourceConfig, config_from_dict, load_yaml
 from dflash_trainer.data.decontam import RULES, EvalIndex
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import SourceReport, describe_skip, read_source
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.input_files import read_small_bytes
+from dflash_trainer.input_files import check_regular, read_small_bytes
+from dflash_trainer.outputs import locks_output
 
 SIDECAR_FORMAT = "dflash-prompt-sources"
 SIDECAR_VERSION = 1
@@ -49,6 +50,8 @@ def load_sources(spec: str | Path) -> tuple[SourceConfig, ...]:
     """Sources of a YAML file (`sources: [...]` or a whole config's `data.sources`), or of a
     mixture shipped in dflash_trainer/recipes/sources/ given by name."""
     path = Path(spec).expanduser()
+    if path.exists() and not path.is_file():
+        check_regular(path, "--sources")  # a directory, a FIFO, a device: said as such
     if not path.is_file():
         shipped = resources.files("dflash_trainer") / "recipes" / "sources" / f"{spec}.yaml"
         if not shipped.is_file():
@@ -174,7 +177,7 @@ def build_mixture(
 
 def _write_atomic(path: Path, lines: Iterator[str]) -> Path:
     """Write to a temporary sibling; the caller renames it into place."""
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = path.with_name(temp_name(path.name))  # this process's name: atomic_dir.py
     with open(tmp, "w", encoding="utf-8") as f:
         for line in lines:
             f.write(line)
@@ -187,8 +190,24 @@ def sidecar_paths(out: Path) -> tuple[Path, Path]:
     return out.with_name(out.name + ".sources.json"), out.with_name(out.name + ".decontam.jsonl")
 
 
+def _check_ours(out: Path) -> None:
+    """Replace a prompts file and its two side files only if they are ours: the counts file
+    says so. Anything else at those names (the sources YAML given as --out, a file of another
+    program) is left as it is."""
+    counts_path, log_path = sidecar_paths(out)
+    present = [str(p) for p in (out, counts_path, log_path) if os.path.lexists(p)]
+    if present and read_sidecar(out) is None:
+        raise DFlashError(
+            f"{', '.join(present)} already exist and are not a prompts file written by "
+            f"`dflash data prompts` (no {counts_path.name} of its own beside it); nothing was "
+            "replaced: move them aside or give another --out"
+        )
+
+
+@locks_output("out", "dflash data prompts", "the prompts file")
 def write_mixture(mix: Mixture, out: Path, meta: dict[str, Any]) -> None:
     """prompts, counts and the drop log, each renamed into place (the prompts file last)."""
+    _check_ours(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     counts_path, log_path = sidecar_paths(out)
     sidecar = {

@@ -48,6 +48,7 @@ from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
 from dflash_trainer.data.tokenizer_check import serialized_sha256, vocab_ids_sha256
 from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.outputs import check_not_input
 
 SPLITS = ("train", "eval")
 RECORD_IDS = "record_ids.json.gz"
@@ -365,6 +366,7 @@ def prepare_dataset(
     if loop_tails not in LOOP_TAILS:
         raise DFlashError(f"loop_tails must be one of {', '.join(LOOP_TAILS)}, got {loop_tails!r}")
     out = Path(out_dir)
+    check_not_input(out, "--out", data=[source], replaced_whole=True)
     # One writer per output: a second prepare of the same --out is refused, naming the first.
     with output_locked(out, "dflash data prepare", f"prepared directory {out}"):
         t0 = time.perf_counter()
@@ -405,7 +407,7 @@ def prepare_dataset(
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1) + "\n")
+    path.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
 
 
 def _write_stats(root: Path, budget: int) -> None:
@@ -417,5 +419,5 @@ def _write_stats(root: Path, budget: int) -> None:
         texts.append(format_stats(s, f"[{split}]"))
         if split == "train":
             plot_lengths(ds.lengths, root / "lengths.png", budget, "train document lengths")
-    (root / "stats.txt").write_text("\n\n".join(texts) + "\n")
+    (root / "stats.txt").write_text("\n\n".join(texts) + "\n", encoding="utf-8")
     _write_json(root / "stats.json", stats)

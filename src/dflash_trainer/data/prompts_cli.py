@@ -83,6 +83,15 @@ def lineage_ids(dirs: list[str]) -> frozenset[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trainer.outputs import check_not_input, output_file, writing
+
+    args.out = output_file(args.out, "--out")
+    check_not_input(args.out, "--out", [args.sources, *args.decontam_file])
+    with writing(args.out, "dflash data prompts", f"the prompts file {args.out}"):
+        return _run_locked(args, time.perf_counter())
+
+
+def _run_locked(args: argparse.Namespace, t0: float) -> int:
     from dflash_trainer.data.mixture import (
         build_mixture,
         format_source_counts,
@@ -90,11 +99,7 @@ def run(args: argparse.Namespace) -> int:
         read_sidecar,
         write_mixture,
     )
-    from dflash_trainer.errors import DFlashError
 
-    t0 = time.perf_counter()
-    if args.out.is_dir():
-        raise DFlashError(f"--out {args.out} is a directory; name the prompts file to write")
     sources = load_sources(args.sources)
     evals = [e.strip() for e in args.decontam_evals.split(",") if e.strip()]
     if evals == ["none"]:

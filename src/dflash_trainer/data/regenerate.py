@@ -66,6 +66,7 @@ from dflash_trainer.data.segment_tokens import SegmentTokenizer
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.outputs import locks_output
 
 
 class Generator(Protocol):
@@ -157,6 +158,7 @@ class _TimeUp(Exception):
     """The job's time limit passed: stop at this answer, keep what is answered."""
 
 
+@locks_output("out_path", "dflash data regenerate", "the regeneration output")
 def regenerate(
     conversations: Iterable[Conversation],
     model: Any,

@@ -6,13 +6,17 @@ questions asked of it are about budgets (how many documents fit in 2k, 4k, 8k to
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dflash_trainer.atomic_dir import save_png
 from dflash_trainer.data.shards import PreparedDataset
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import open_regular
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,31 @@ def plot_lengths(lengths: np.ndarray, path: Path, budget: int, title: str = "") 
     ax.set_title(title or "document lengths")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path, dpi=100)
     plt.close(fig)
     return path
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png_path(path: Path, flag: str) -> Path:
+    """A path to write a PNG to: named `.png`, and not an existing file that is not a PNG (a
+    manifest or a shard named by mistake is never replaced by a picture)."""
+    from dflash_trainer.outputs import output_file
+
+    p = output_file(path, flag)
+    if p.suffix.lower() != ".png":
+        raise DFlashError(f"{flag} {path}: name a .png file (the histogram is a PNG image)")
+    if os.path.lexists(p):
+        try:
+            with open_regular(p, flag) as f:
+                head = f.read(len(PNG_MAGIC))
+        except DFlashError as e:
+            raise DFlashError(f"{e}; nothing was replaced") from e
+        if head != PNG_MAGIC:
+            raise DFlashError(
+                f"{flag} {p} exists and is not a PNG image; nothing was replaced: give "
+                "another path or move it aside"
+            )
+    return p

@@ -29,7 +29,6 @@ already decided, so an interrupted job ends with the set an uninterrupted one wr
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -43,10 +42,12 @@ from typing import Any
 
 import numpy as np
 
+from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.data.append_log import append_line, complete_lines
 from dflash_trainer.data.sampling import item_key
 from dflash_trainer.data.template import ChatTemplate
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.outputs import locks_output
 
 DROP_REASONS = (
     "unfinished",
@@ -340,6 +341,7 @@ def _generator(
     return KeyedHFGenerator(model, gen, stops, pad_id)
 
 
+@locks_output("out_path", "dflash data synthesize", "the synthesis output")
 def synthesize(
     model: Any,
     tokenizer: Any,
@@ -434,7 +436,4 @@ def _summarise(report: SynthReport, out: Path, dropped_path: Path, settings: Syn
     reasons = Counter(r["reason"] for r in _read_lines(dropped_path, settings))
     report.dropped = {k: reasons[k] for k in DROP_REASONS if reasons[k]}
     data = asdict(report) | {"settings": asdict(settings) | {"topics": list(settings.topics)}}
-    path = out.with_name(out.name + ".report.json")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_file_atomic(out.with_name(out.name + ".report.json"), json.dumps(data, indent=1) + "\n")
