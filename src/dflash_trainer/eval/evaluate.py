@@ -252,6 +252,26 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the output paths and hold them (one eval writes a report at a time) throughout:
+    an eval that would fail to write its report fails before it runs, not after."""
+    from dflash_trainer.eval.report import check_report_path
+    from dflash_trainer.outputs import output_dir, output_file, writing
+
+    with contextlib.ExitStack() as held:
+        if args.json:
+            args.json = output_file(args.json, "--json")
+            check_report_path(args.json, "--json")
+            held.enter_context(writing(args.json, "dflash eval", f"the report {args.json}"))
+        if args.out_dir:
+            args.out_dir = output_dir(args.out_dir, "--out-dir")
+            check_report_path(args.out_dir / "eval.json", "--out-dir")
+            held.enter_context(
+                writing(args.out_dir, "dflash eval", f"the reports in {args.out_dir}")
+            )
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from dflash_trainer.eval.prompts import load_prompt_set, set_label
 
     cfg = EvalConfig(

@@ -23,7 +23,7 @@ from typing import Any
 
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.input_files import open_input
+from dflash_trainer.input_files import check_regular, open_input
 
 Messages = list[dict[str, str]]
 
@@ -129,6 +129,12 @@ def _jsonl(path: Path) -> list[Prompt]:
     return out
 
 
+def _open_turns(messages: list[dict[str, str]]) -> int:
+    """User turns not followed by an assistant answer: the turns `dflash eval` decodes."""
+    nxt = [m["role"] for m in messages[1:]] + [None]
+    return sum(m["role"] == "user" and r != "assistant" for m, r in zip(messages, nxt))
+
+
 def load_prompt_set(name: str, max_samples: int | None = None, seed: int = 0) -> PromptSet:
     """A built-in set by name or a JSONL (optionally .gz) file; a seeded subset of max_samples.
 
@@ -143,12 +149,25 @@ def load_prompt_set(name: str, max_samples: int | None = None, seed: int = 0) ->
         prompts = _humaneval()
     else:
         path = Path(name).expanduser()
+        if path.exists() and not path.is_file():
+            check_regular(path, "prompt set")  # a directory, a FIFO, a device: said as such
         if not path.is_file():
             raise DFlashError(
                 f"prompt set {name!r}: not a built-in set ({', '.join(BUILTIN_SETS)}) and no "
                 "such file; give a JSONL file of prompts or a built-in name"
             )
         prompts = _jsonl(path)
+        if not any(_open_turns(p.messages) for p in prompts):
+            # Without this a run measures nothing and reports tau nan with exit status 0.
+            raise DFlashError(
+                f"prompt set {name!r}: no user turn left to answer ("
+                + (
+                    "the file holds no prompts"
+                    if not prompts
+                    else "every user turn is already followed by an assistant answer"
+                )
+                + "); give prompts whose last turn is the user's"
+            )
     total = len(prompts)
     if max_samples is not None and max_samples < total:
         keep = sorted(random.Random(seed).sample(range(total), max_samples))

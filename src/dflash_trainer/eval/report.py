@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_trainer.atomic_dir import save_png, write_file_atomic
 from dflash_trainer.config import EvalConfig
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import read_small_bytes
 
 if TYPE_CHECKING:
     from dflash_trainer.eval.speculative import Generation
@@ -149,10 +152,26 @@ def write_json(report: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written next to the destination and renamed: a run killed mid-write (a timeout, a
     # preempted job) leaves the previous report, never half of one.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_file_atomic(path, json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+
+
+def is_report(path: Path) -> bool:
+    """Whether `path` holds a JSON report of this tool (a `dflash eval` or serve-check one)."""
+    try:
+        data = json.loads(read_small_bytes(path, "report"))
+    except (DFlashError, OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "sets" in data and "created" in data
+
+
+def check_report_path(path: Path, flag: str) -> None:
+    """Refuse to replace a file that is not a report of ours (the drafter's meta.json given
+    as --json by mistake is never overwritten)."""
+    if os.path.lexists(path) and not is_report(path):
+        raise DFlashError(
+            f"{flag} {path} exists and is not a report written by this tool; nothing was "
+            "replaced: give another path or move the file aside"
+        )
 
 
 def _fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
@@ -215,7 +234,7 @@ def plot_acceptance_histogram(report: dict[str, Any], path: Path) -> Path:
     ax.set_title("Acceptance histogram")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -245,19 +264,18 @@ def plot_tau_per_set(report: dict[str, Any], path: Path) -> Path:
     ax.set_title("tau per prompt set")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
     plt.close(fig)
     return path
 
 
 def write_all(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """eval.json, eval.md, acceptance_histogram.png, tau_per_set.png in `out_dir`."""
+    """eval.json, eval.md, acceptance_histogram.png, tau_per_set.png in `out_dir`, each
+    written whole; eval.json, which the others are views of, last."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = out_dir / "eval.md"
-    md.write_text(markdown(report))
-    return [
-        write_json(report, out_dir / "eval.json"),
-        md,
+    views = [
         plot_acceptance_histogram(report, out_dir / "acceptance_histogram.png"),
         plot_tau_per_set(report, out_dir / "tau_per_set.png"),
+        write_file_atomic(out_dir / "eval.md", markdown(report)),
     ]
+    return [write_json(report, out_dir / "eval.json"), views[2], *views[:2]]
