@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from dflash_trainer.formats.check_config import (
 from dflash_trainer.formats.check_dflash2 import check_dflash2_config, check_dflash2_numbers
 from dflash_trainer.formats.check_speculators import check_speculators_config
 from dflash_trainer.formats.dflash2_layout import CODEBOOKS, kind_mismatch
-from dflash_trainer.formats.safetensors_check import check_safetensors
+from dflash_trainer.formats.safetensors_check import check_safetensors, load_checked, rust_path
 from dflash_trainer.formats.speculators import (
     VERIFIER_TENSORS,
     VOCAB_MAP_TENSORS,
@@ -88,14 +89,12 @@ def _check_tensors(
     seen: set[str] = set()
     dtypes: set[torch.dtype] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                seen.add(name)
-                tensor = sf.get_tensor(name)
-                if name not in skip:
-                    _check_one(name, tensor, expected, fmt, r)
-                if name not in VERIFIER_TENSORS | VOCAB_MAP_TENSORS:
-                    dtypes.add(tensor.dtype)
+        for name, tensor in _tensors(f):
+            seen.add(name)
+            if name not in skip:
+                _check_one(name, tensor, expected, fmt, r)
+            if name not in VERIFIER_TENSORS | VOCAB_MAP_TENSORS:
+                dtypes.add(tensor.dtype)
     for name in sorted(set(expected) - seen):
         r.error(
             name,
@@ -110,6 +109,18 @@ def _check_tensors(
             f"config says {cfg_dtype} but tensors are {next(iter(dtypes))}",
             "write the stored dtype in config.json",
         )
+
+
+def _tensors(f: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a weights file one at a time (all at once where the safetensors library
+    cannot take its path: a name that is not UTF-8)."""
+    name = rust_path(f)
+    if name is None:
+        yield from load_checked(f).items()
+        return
+    with safe_open(name, framework="pt") as sf:
+        for key in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            yield key, sf.get_tensor(key)
 
 
 def _check_one(

@@ -44,8 +44,10 @@ def save_drafter_files(
     d.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     save_safetensors(tensors, d / WEIGHTS_FILE)
-    (d / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
-    (d / META_FILE).write_text(json.dumps(meta or {}, indent=2, default=str) + "\n")
+    (d / SPEC_FILE).write_text(json.dumps(spec.to_dict(), indent=2) + "\n", encoding="utf-8")
+    (d / META_FILE).write_text(
+        json.dumps(meta or {}, indent=2, default=str) + "\n", encoding="utf-8"
+    )
     return d
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.assets import serving_name
-from dflash_trainer.atomic_dir import atomic_directory, check_replaceable
+from dflash_trainer.atomic_dir import atomic_directory, check_replaceable, write_file_atomic
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.card import hub_id, model_card, read_eval_report, serve_commands
@@ -56,6 +56,7 @@ from dflash_trainer.formats.zlab import (
 )
 from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import LINEAGE_FILES
+from dflash_trainer.outputs import check_not_input, locks_output, writing
 
 FORMATS = ("zlab", "speculators")
 Imported = tuple[DrafterSpec, dict[str, torch.Tensor], dict[str, Any]]
@@ -259,6 +260,7 @@ def _cast(state: dict[str, torch.Tensor], dtype: str, where: str) -> dict[str, t
     return out
 
 
+@locks_output("out", "dflash export", "the export")
 def export_drafter(
     source: str | Path,
     out: str | Path,
@@ -278,6 +280,7 @@ def export_drafter(
         raise DFlashError(f"--to {fmt}: choose one of {list(FORMATS)}")
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype {dtype}: choose one of {sorted(DTYPES)}")
+    check_not_input(out, "export OUT", [source], replaced_whole=True)
     reports = [read_eval_report(e) for e in evals or []]  # refused before anything is written
     spec, state, meta = import_drafter(source, target=target)
     _check_state(spec, state, str(source))
@@ -296,12 +299,12 @@ def export_drafter(
     _check_out(out_p, force)
     with atomic_directory(out_p, replace=True) as tmp:  # never a half-written export
         write_weights(tmp / WEIGHTS_NAME, tensors)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if carried is not None:
             _export_lineage(tmp, carried, fmt, dtype, evals or [])
         lineage = carried[0] if carried is not None else None
         card = model_card(spec, meta, fmt, str(out_p), serve, reports, lineage)
-        (tmp / "README.md").write_text(card)
+        write_file_atomic(tmp / "README.md", card)
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():
         report.warn(
@@ -462,6 +465,8 @@ def run_import(args: argparse.Namespace) -> int:
         f"{n_params / 1e6:.1f}M params, target_layer_ids {list(spec.target_layer_ids)}"
     )
     if args.out:
-        write_drafter_dir(args.out, spec, state, meta)
+        check_not_input(args.out, "--out", [args.path], replaced_whole=True)
+        with writing(args.out, "dflash import", f"the drafter directory {args.out}"):
+            write_drafter_dir(args.out, spec, state, meta)
         print(f"wrote {Path(args.out) / SPEC_FILE} (+ weights, {META_FILE})")
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,11 +183,31 @@ def check_model_weights(path: str | Path) -> None:
             check_safetensors(f, root=d)
 
 
+def rust_path(path: str | Path) -> str | None:
+    """`path` as the safetensors library (Rust) takes it, or None when it cannot: a name whose
+    bytes are not UTF-8 has no Rust string, and under a non-UTF-8 locale (LC_ALL=C) the
+    binding encodes the name with the locale's codec, which refuses any non-ASCII name."""
+    raw = os.fsencode(os.fspath(path))
+    try:
+        name = raw.decode("utf-8")
+        name.encode(sys.getfilesystemencoding())
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        return None
+    return name
+
+
 def load_checked(path: str | Path, root: str | Path | None = None) -> dict[str, torch.Tensor]:
-    """`safetensors.torch.load_file` after `check_safetensors`."""
+    """`safetensors.torch.load_file` after `check_safetensors` (read through Python where the
+    path is not one the library can take)."""
     check_safetensors(path, root)
     with about(f"the weights file {os.fspath(path)!r}"):
-        return load_file(os.fspath(path))
+        name = rust_path(path)
+        if name is not None:
+            return load_file(name)
+        from safetensors.torch import load
+
+        with open_regular(path, "weights file") as f:
+            return load(f.read())
 
 
 def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
@@ -208,7 +229,12 @@ def save_safetensors(
     """`safetensors.torch.save_file`, then the file's mode from the umask like any other
     file the tool writes: safetensors creates it owner-only (0600), which a serving engine
     running as another user, or a shared drafter directory, cannot read."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
-    save_file(tensors, os.fspath(path), metadata=metadata)
+    name = rust_path(path)
+    if name is None:  # written through Python: the library cannot take this path
+        with open(path, "wb") as f:
+            f.write(save(tensors, metadata=metadata))
+    else:
+        save_file(tensors, name, metadata=metadata)
     os.chmod(path, 0o666 & ~UMASK)

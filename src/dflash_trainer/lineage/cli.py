@@ -10,6 +10,7 @@ dflash lineage init DIR --prompts FILE ...    record how a drafter without a lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from itertools import pairwise
 from pathlib import Path
@@ -141,7 +142,21 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _locked(path: str, command: str) -> contextlib.AbstractContextManager[None]:
+    """The lock of the drafter directory whose lineage a command rewrites: two `add-eval`s at
+    once would each read the lineage, add their report and write it back, losing one."""
+    from dflash_trainer.outputs import writing
+
+    d = lineage_dir(path) or Path(path)
+    return writing(d, f"dflash lineage {command}", f"the lineage of {d}")
+
+
 def _add_eval(args: argparse.Namespace) -> int:
+    with _locked(args.dir, "add-eval"):
+        return _add_eval_locked(args)
+
+
+def _add_eval_locked(args: argparse.Namespace) -> int:
     d, lineage = _need(args.dir)
     check_describes(lineage, drafter_weights_sha256(d), str(d))
     if not lineage["continuations"]:
@@ -177,6 +192,11 @@ def prompt_turns(path: str | Path) -> dict[str, int | None]:
 
 
 def _init(args: argparse.Namespace) -> int:
+    with _locked(args.dir, "init"):
+        return _init_locked(args)
+
+
+def _init_locked(args: argparse.Namespace) -> int:
     d = Path(args.dir)
     if read_lineage(d) is not None:
         raise DFlashError(f"{d}: already has a {LINEAGE_FILE}; `init` only starts a lineage")

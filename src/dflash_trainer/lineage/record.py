@@ -204,7 +204,8 @@ def lineage_files(lineage: Lineage, prompts: list[PromptTurns]) -> dict[str, byt
 
 
 def write_lineage(directory: str | Path, lineage: Lineage, prompts: list[PromptTurns]) -> None:
-    """Both files, each written to a temporary sibling and renamed into place."""
+    """Both files, each written whole (atomic_dir.write_file_atomic), the prompt ids first:
+    lineage.json holds their hash, so it is renamed into place last."""
     d = Path(directory)
     for name, data in sorted(lineage_files(lineage, prompts).items(), reverse=True):
         write_file_atomic(d / name, data)
