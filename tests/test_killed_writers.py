@@ -1,0 +1,240 @@
+"""Writers killed midway, and two writers of one output at once (issue 32).
+
+- no writer opens a final name for writing: every file is written to a temporary sibling of
+  this process and renamed into place (atomic_dir.write_file_atomic), every directory is
+  published whole, so a kill at any instant leaves the previous file or the new one, never a
+  truncated report, plot, lineage or model card. Checked by watching every open() of the real
+  commands (append-only logs, `regenerate` and `synthesize`, excepted: their records are
+  appended with one write each, and a partial last line is dropped on resume);
+- SIGTERM ends a command like Ctrl-C: exit 143, its temporary directory removed, its lock
+  released, the previous output intact, and the rerun succeeds;
+- a second writer of an output that another process is writing is refused, naming that
+  process, before it reads or loads anything; the output is not touched.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fuzz_support import go_offline
+from hostile_support import SRC, World, build_world, eval_args, tree
+
+from dflash_trainer.cli import main
+from dflash_trainer.cli_errors import TERMINATED, USER_ERROR
+from dflash_trainer.data.shards import PreparedDataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return build_world(tmp_path_factory.mktemp("world"))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    go_offline(monkeypatch)
+
+
+_TEMP = re.compile(r"^\..+\.tmp(-[A-Za-z0-9_.]+-\d+)?$")  # a file: .NAME.RANDOM.tmp
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+@contextmanager
+def opened_for_writing(root: Path) -> Iterator[list[Path]]:
+    """The paths under `root` that the body opens for writing (open, io.open, os.open)."""
+    seen: list[Path] = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def note(path: Any) -> None:
+        if isinstance(path, str | bytes | os.PathLike):
+            p = Path(os.path.abspath(os.fsdecode(path)))
+            if p.is_relative_to(root):
+                seen.append(p)
+
+    def spy_open(file: Any, mode: str = "r", *a: Any, **k: Any) -> Any:
+        if any(c in mode for c in "wax+"):
+            note(file)
+        return real_open(file, mode, *a, **k)
+
+    def spy_os_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if flags & _WRITE_FLAGS:
+            note(path)
+        return real_os_open(path, flags, *a, **k)
+
+    builtins.open = io.open = spy_open  # type: ignore[assignment]
+    os.open = spy_os_open  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        builtins.open = io.open = real_open
+        os.open = real_os_open
+
+
+def _in_temporary(p: Path, root: Path) -> bool:
+    """A temporary file of this process, or a file inside a temporary directory, or a lock."""
+    parts = p.relative_to(root).parts
+    return any(_TEMP.match(part) for part in parts) or p.name.endswith(".dflash-lock")
+
+
+WRITERS: dict[str, Callable[[World, Path], list[str]]] = {
+    "eval --out-dir --json": lambda w, d: [
+        *eval_args(w),
+        "--out-dir",
+        str(d / "e"),
+        "--json",
+        str(d / "r.json"),
+    ],
+    "lineage add-eval": lambda w, d: ["lineage", "add-eval", str(d / "drafter"), str(w.report)],
+    "lineage init": lambda w, d: ["lineage", "init", str(d / "bare"), "--steps", "3"],
+    "prompts": lambda w, d: [
+        "data",
+        "prompts",
+        "--sources",
+        str(w.sources),
+        "--out",
+        str(d / "p.jsonl"),
+        "--decontam-evals",
+        "none",
+    ],
+    "plot": lambda w, d: ["plot", str(d / "run"), "--out", str(d / "plots")],
+    "export": lambda w, d: ["export", str(w.run), "--to", "zlab", str(d / "x")],
+    "import": lambda w, d: ["import", str(w.export), "--out", str(d / "i")],
+}
+
+
+def _stage(world: World, d: Path) -> None:
+    """What the writers replace or extend: earlier outputs, a drafter without a lineage."""
+    import shutil
+
+    shutil.copytree(world.drafter, d / "drafter")
+    shutil.copytree(world.export, d / "bare")
+    for name in ("lineage.json", "lineage_prompts.jsonl.gz"):
+        (d / "bare" / name).unlink(missing_ok=True)  # an export of a lineage
+    shutil.copytree(world.run, d / "run")
+    shutil.copytree(world.report.parent, d / "e")
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_no_writer_opens_a_final_name_for_writing(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: str
+) -> None:
+    _stage(world, tmp_path)
+    with opened_for_writing(tmp_path) as seen:
+        rc = main(WRITERS[writer](world, tmp_path))
+    assert rc == 0, capsys.readouterr().err
+    assert seen, "the spy saw no write: it watches the wrong functions"
+    at_final_names = sorted({str(p) for p in seen if not _in_temporary(p, tmp_path)})
+    assert not at_final_names, f"{writer} wrote these in place: {at_final_names}"
+
+
+PAUSED_PREPARE = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    import dflash_trainer.data.prepare as prepare_mod
+    from dflash_trainer.cli import main
+
+    real, seen = prepare_mod.split_of, []
+    def paused_split_of(doc_id, fraction):
+        seen.append(doc_id)
+        if len(seen) == 3:  # the temporary directory holds open shards by now
+            print("writing", flush=True)
+            time.sleep(120)
+        return real(doc_id, fraction)
+
+    prepare_mod.split_of = paused_split_of
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_sigterm_ends_a_writer_cleanly_and_keeps_the_previous_output(
+    world: World, tmp_path: Path
+) -> None:
+    out = tmp_path / "prep"
+    argv = ["data", "prepare", "--input", str(world.conversations), "--tokenizer",
+            str(world.target), "--out", str(out), "--eval-fraction", "0"]  # fmt: skip
+    assert main([*argv, "--max-records", "3"]) == 0
+    before = tree(out)
+    script = tmp_path / "paused.py"
+    script.write_text(PAUSED_PREPARE.format(tests=str(TESTS)))
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, str(script), *argv, "--overwrite"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        assert [p.name for p in tmp_path.glob(".prep.tmp-*")]  # the write under way
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == TERMINATED and "terminated (SIGTERM)" in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["paused.py", "prep"]  # no temp, lock
+    assert tree(out) == before
+    assert main([*argv, "--overwrite"]) == 0
+    assert len(PreparedDataset(out)) == 6
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from dflash_trainer.dir_lock import acquire_output
+    acquire_output(sys.argv[1], "dflash holder", "the output")
+    print("locked", flush=True)
+    time.sleep(120)
+    """
+)
+
+HELD: dict[str, tuple[str, Callable[[World, Path], list[str]]]] = {
+    # name: (the output the other process writes, relative to the test dir; the command)
+    "regenerate": ("a.jsonl", lambda w, d: ["data", "regenerate", "--input", str(w.conversations),
+                                            "--model", str(w.target), "--out", str(d / "a.jsonl")]),
+    "synthesize": ("s.jsonl", lambda w, d: ["data", "synthesize", "--model", str(w.target),
+                                            "--out", str(d / "s.jsonl"), "--n", "2"]),
+    "prompts": ("p.jsonl", WRITERS["prompts"]),
+    "eval --json": ("r.json", lambda w, d: [*eval_args(w), "--json", str(d / "r.json")]),
+    "eval --out-dir": ("e", lambda w, d: [*eval_args(w), "--out-dir", str(d / "e")]),
+    "export": ("x", WRITERS["export"]),
+    "import": ("i", WRITERS["import"]),
+    "lineage add-eval": ("drafter", WRITERS["lineage add-eval"]),
+    "lineage init": ("bare", WRITERS["lineage init"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("writer", sorted(HELD))
+def test_a_second_writer_of_an_output_is_refused_naming_the_first(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: str
+) -> None:
+    _stage(world, tmp_path)
+    name, argv = HELD[writer]
+    before = tree(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name)], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        rc = main(argv(world, tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == USER_ERROR and f"in use by `dflash holder` (process {holder.pid}" in err, err
+    after = tree(tmp_path)
+    assert {k: v for k, v in after.items() if "dflash-lock" not in k} == before
