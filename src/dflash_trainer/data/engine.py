@@ -136,6 +136,10 @@ class StaticBatchEngine:
         self._tokens = StepTokens()
         self.cache = _SlotCache(1, 1)
         self.oom_splits = 0
+        self.trace: list[tuple[int, int, int, int, int]] | None = None
+        """When a list: one (cache length, rows, rows busy, prompts queued in this length,
+        prompts waiting for a longer one) per decode step (benchmarks/regenerate_occupancy.py)."""
+        self._pending: dict[int, list[int]] = {}
 
     # --- building a shape
 
@@ -348,6 +352,7 @@ class StaticBatchEngine:
         chain = list(range(len(prompts)))
         new = self.settings.max_new_tokens
         pending: dict[int, list[int]] = {}
+        self._pending = pending
         for i, p in enumerate(prompts):
             pending.setdefault(cache_length(len(p) + new), []).append(i)
         current = 0
@@ -411,6 +416,10 @@ class StaticBatchEngine:
         tok = read()
         t1 = time.perf_counter()
         self.stats.row_steps_busy += len(g.live)
+        if self.trace is not None:
+            waiting = sum(map(len, self._pending.values()))
+            queued = len(g.queue) + len(g.cont)
+            self.trace.append((self.length, len(self.pos), len(g.live), queued, waiting))
         for slot, i in list(g.live.items()):
             work.outs[i].append(tok[slot])
             if self._done(work.outs[i]):
