@@ -217,6 +217,7 @@ def leg(
         refill_rows=max(1, args.rows // 8),
         prefill_tokens=args.prefill_tokens,
         reuse_prefix=True,
+        carry_rows=not args.no_carry_rows,
     )
     engine.kv_positions = args.kv_positions_per_row * args.rows
     engine.trace = []
@@ -290,6 +291,7 @@ def summarize(
 ) -> dict[str, Any]:
     st, trace = engine.stats, engine.trace or []
     low, idle = why_idle(trace, ends)
+    dense = sum(rows * length for length, rows, _b, _q, _w in trace)
     by_length: dict[int, list[int]] = {}
     for length, rows, busy, _q, _w in trace:
         b = by_length.setdefault(length, [0, 0, 0])
@@ -299,7 +301,6 @@ def summarize(
         round(sum(t[2] for t in trace[i : i + tenth]) / sum(t[1] for t in trace[i : i + tenth]), 3)
         for i in range(0, len(trace), tenth)
     ]
-    dense = sum(rows * length for length, rows, _b, _q, _w in trace)
     stats = {k: v for k, v in asdict(st).items() if not k.endswith("_s")}
     return {
         "conversations": len(plan),
@@ -314,7 +315,12 @@ def summarize(
         "steps_under_half_busy_by_reason": low,
         "idle_row_steps_by_reason": idle,
         "by_cache_length": {
-            str(k): {"decode_steps": v[0], "occupancy": round(v[2] / v[1], 4)}
+            str(k): {
+                "decode_steps": v[0],
+                "tokens": v[2],
+                "occupancy": round(v[2] / v[1], 4),
+                "share_of_dense_kv_slots": round(k * v[1] / max(1, dense), 3),
+            }
             for k, v in sorted(by_length.items())
         },
         "occupancy_by_tenth_of_steps": timeline,
@@ -350,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="share of answers that run to max_new_tokens (SmolLM2 on ShareGPT: 0.596); "
         "default: the asset's own answer lengths",
+    )
+    p.add_argument(
+        "--no-carry-rows", action="store_true", help="the engine drains each cache length"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="1: steadiest on a shared CPU")
@@ -399,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": args.rows,
         "refill_rows": max(1, args.rows // 8),
         "kv_positions": args.kv_positions_per_row * args.rows,
+        "carry_rows": not args.no_carry_rows,
         "legs": legs,
         "torch": torch.__version__,
         "hardware": f"cpu, {args.threads} threads",
