@@ -22,8 +22,12 @@ planted so that greedy decoding walks a fixed chain of token ids that ends at th
 the last token of a prompt decides how many tokens its answer has, so every answer is exactly
 as long as the workload says (checked for every turn). Prompts are filler ids around that.
 
-    python benchmarks/regenerate_occupancy.py --out benchmarks/results/occupancy.json
-    python benchmarks/regenerate_occupancy.py --conversations 64 --rows 16 --out /tmp/o.json
+    python benchmarks/regenerate_occupancy.py --out carry.json        # the engine as it is
+    python benchmarks/regenerate_occupancy.py --no-carry-rows --out drain.json
+    python benchmarks/regenerate_occupancy.py --answers-at-limit 0.596 ...  # SmolLM2-like answers
+    python benchmarks/regenerate_occupancy.py --resume-after 2 --conversations 1024 ...
+
+The runs of regenerate_occupancy_cpu_202612.md: bash benchmarks/regenerate_occupancy_runs.sh.
 
 Runtime on one CPU thread: about 30 s at the defaults (15 s of it reading the asset and\nits tokenizer); `--rows 256 --conversations 2048` about 80 s.
 """
@@ -133,6 +137,12 @@ def workload(args: argparse.Namespace) -> list[list[Turn]]:
                 break
             prompt += answer
             before = p + a
+        k = args.resume_after
+        if k and len(turns) > k:  # a resumed job: the first k turns are history, not asked
+            history = sum(t.new + t.answer for t in turns[:k])
+            turns = [Turn(history + turns[k].new, turns[k].answer, turns[k].kept), *turns[k + 1 :]]
+        elif k:
+            turns = []
         if turns:
             out.append(turns)
     return out
@@ -358,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         "default: the asset's own answer lengths",
     )
     p.add_argument(
+        "--resume-after",
+        type=int,
+        default=0,
+        help="as a resumed job: conversations continue after their first N turns (answered "
+        "earlier, prefilled as history); those with no later turn are left out",
+    )
+    p.add_argument(
         "--no-carry-rows", action="store_true", help="the engine drains each cache length"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -399,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 sum(t.answer >= args.max_new_tokens for c in convs for t in c) / sum(turns), 3
             ),
             "answers_at_limit_forced": args.answers_at_limit,
+            "resume_after": args.resume_after,
             "scale": args.scale,
             "max_new_tokens": args.max_new_tokens,
             "max_conversation_tokens": args.max_conversation_tokens,
