@@ -106,6 +106,29 @@ def test_conversations_continuing_in_their_rows_answer_as_whole_prefills_do() ->
     assert reused == whole
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rows_carried_into_a_longer_cache_answer_as_drained_ones(compiled: bool) -> None:
+    """Rows moved with their caches into the next cache length (both shapes in CUDA graphs,
+    fp32, greedy) answer turn by turn what they answer when the shorter length drains first."""
+    from test_regen_engine import _lively, _staggered_stops
+    from test_regen_engine import _prompts as random_prompts
+    from test_regen_engine_carry import FIRST, NEW, _chains
+
+    model = _lively(tiny_llama(400)).cuda()
+    firsts = random_prompts(400, FIRST)
+    stops = _staggered_stops(model, firsts, NEW)
+    settings = GenerationSettings("m", max_new_tokens=NEW)
+
+    def engine(carry: bool) -> StaticBatchEngine:
+        return StaticBatchEngine(
+            model, settings, stops, 0, rows=8, carry_rows=carry, compile_decode=compiled
+        )
+
+    carried, drained = engine(True), engine(False)
+    assert _chains(carried, firsts) == _chains(drained, firsts)
+    assert carried.graphs and carried.stats.carries >= 1 and drained.stats.carries == 0
+
+
 def _smollm2(dtype: str) -> tuple[Any, Any, Any, list[int]]:
     from test_data_support import smollm2_tokenizer
 

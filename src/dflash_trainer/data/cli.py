@@ -290,7 +290,8 @@ def engine_line(stats: dict[str, Any]) -> str:
         f"{ms:.2f} ms a step, rows busy {busy:.0%}), {stats['prefills']:,} prefills ({stats['prefill_s']:.1f} s), host "
         f"{stats['host_s']:.1f} s, {stats['builds']} shape builds ({stats['build_s']:.1f} s); "
         f"{stats['continued']:,} turns continued in their rows ({stats['reused_tokens']:,} "
-        "history tokens not prefilled again)"
+        f"history tokens not prefilled again); {stats.get('carried_rows', 0):,} rows carried "
+        "into a longer cache instead of draining"
     )
 
 
@@ -333,6 +334,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile_decode": args.compile_decode,
         "compile_prefill": args.compile_prefill,
         "reuse_prefix": not args.no_reuse_prefix,
+        "carry_rows": not args.no_carry_rows,
         "decode_attention": args.decode_attention,
         "decode_sdpa": args.decode_sdpa,
         "prefill_sdpa": args.prefill_sdpa,
@@ -352,6 +354,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="static engine: prefill a conversation's whole history at every turn (default: a "
         "turn continues in the row that holds the conversation)",
+    )
+    p.add_argument(
+        "--no-carry-rows",
+        action="store_true",
+        help="static engine: let each cache length drain before the next starts (default: its "
+        "last busy rows move into the next length's cache where it has rows to spare)",
     )
     p.add_argument(
         "--compile-prefill",

@@ -11,24 +11,24 @@ answer finishes. Here:
 - Decode step: the B rows' next tokens at their own positions, the logits, the choice of the
   next token and the position advance form one static shape, replayed as one CUDA graph on
   a GPU (run eagerly on CPU: the same code, the "static" path the tests check).
-- Continuous batching: a row that stops is refilled with the next waiting prompt; refills are
-  grouped (`refill_rows` free rows at a time on a GPU: an eager prefill costs as much as many
-  graph steps) and prefilled together, left-padded. Padded columns get the positions after
-  the prompt, so each row still writes slots 0..W-1 once and reads its last token's logits in
-  the last column.
-- Conversations (`generate_chains`): a turn's next prompt is the conversation so far plus the
-  new user turn. When it fits the same cache length it continues in the row that already
-  holds the conversation: only the tokens after the longest common prefix with what the row
-  holds are prefilled, attending to the row's cache (`reuse_prefix`). Without this every turn
-  prefilled the whole history again, the larger part of turn-by-turn regeneration's work.
-- Length buckets: prompts are served shortest first, and the cache length L is a power of two
-  covering prompt + max_new_tokens; a longer prompt waits until the batch drains, then the
-  cache and graph are rebuilt for the next bucket (short prompts do not pay for long ones).
+- Continuous batching, conversations, cache lengths: which prompt runs in which row, and
+  when, is data/engine_schedule.py's part (its docstring). In short: a row that stops takes
+  the next waiting prompt (refills grouped: `refill_rows` free rows at a time on a GPU, as
+  an eager prefill costs as much as many graph steps; prefilled together, left-padded, the
+  padded columns given the positions after the prompt, so each row still writes slots
+  0..W-1 once and reads its last token's logits in the last column). A conversation's next
+  turn continues in the row that holds it, only the tokens after the longest common prefix
+  with what the row holds prefilled, attending to the row's cache (`reuse_prefix`). The
+  cache length L is a power of two covering prompt + max_new_tokens, served shortest first;
+  when a length has drained to fewer than half its rows busy and longer prompts wait, its
+  busy rows move with their caches into the next length's cache (`carry_rows`) rather than
+  leaving the rows idle until the last answer ends.
 - Attention: a decode step of a grouped-query target attends to each key/value head once
   (data/grouped_decode.py); the cache read is what a step costs, so copying heads would
   triple it.
 - One step in flight: the host reads a step's tokens and does its bookkeeping (stop checks,
-  the loop stop) while the GPU runs the next step, so host work costs no GPU time.
+  the loop stop) while the GPU runs the next step, so host work costs no GPU time
+  (engine_state.StepTokens).
 - Sampling: greedy (argmax), or temperature / top_p with noise drawn from a counter-based hash
   of (row key, position): a prompt's answer depends on its key and the seed only, not on which
   rows ran beside it, so a resumed job draws what an uninterrupted one would have.
@@ -43,27 +43,21 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections import deque
 from typing import Any
 
 import torch
 
+from dflash_trainer.data.engine_schedule import Scheduler
 from dflash_trainer.data.engine_state import (
     EngineStats,
-    Flight,
     Follow,
-    Rows,
     Shape,
     StepTokens,
-    Work,
-    cache_length,
-    common_prefix,
     flex_decode,
     kv_bytes_per_position,
     prefill_inputs,
 )
 from dflash_trainer.data.grouped_decode import grouped_decode, sdpa_backends, sdpa_scope
-from dflash_trainer.data.loop_tails import loops_now
 from dflash_trainer.data.sampling import item_key, pick_tokens
 from dflash_trainer.data.settings import GenerationSettings
 from dflash_trainer.errors import DFlashError
@@ -91,6 +85,7 @@ class StaticBatchEngine:
         compile_decode: bool = False,
         reuse_prefix: bool = True,
         compile_prefill: bool = False,
+        carry_rows: bool = True,
         decode_attention: str = "sdpa",
         decode_sdpa: str | None = None,
         prefill_sdpa: str | None = None,
@@ -120,6 +115,7 @@ class StaticBatchEngine:
             else self._forward_prefill
         )
         self.reuse_prefix = reuse_prefix
+        self.carry_rows = carry_rows
         self.flex = flex_decode(decode_attention, compile_decode)
         self._decode_kernels = sdpa_backends(decode_sdpa)
         self._prefill_kernels = sdpa_backends(prefill_sdpa)
@@ -133,16 +129,26 @@ class StaticBatchEngine:
         self.stats = EngineStats()
         self._built: dict[int, Shape] = {}  # cache length -> its built shape
         self._replay: _Replay | None = None
+        self.shape: Shape | None = None
+        """The active shape: the cache that decode steps and prefills run on."""
         self._tokens = StepTokens()
         self.cache = _SlotCache(1, 1)
         self.oom_splits = 0
+        self.trace: list[tuple[int, int, int, int, int]] | None = None
+        """When a list: one (cache length, rows, rows busy, prompts queued in this length,
+        prompts waiting for a longer one) per decode step (benchmarks/regenerate_occupancy.py)."""
 
     # --- building a shape
 
+    def _rows_wanted(self, wanted: int) -> int:
+        """Rows for `wanted` prompts: the batch size, or fewer when few prompts wait (a power
+        of two, so that later groups reuse the shape)."""
+        return min(self.max_rows, 1 << math.ceil(math.log2(max(wanted, 1))))
+
     def _rows_for(self, length: int, wanted: int) -> int:
-        """Rows for a cache of `length` positions: the batch size, or fewer when few prompts
-        wait (a power of two, so that later groups reuse the shape) or memory is short."""
-        rows = min(self.max_rows, 1 << math.ceil(math.log2(max(wanted, 1))))
+        """Rows for `wanted` prompts in a cache of `length` positions: fewer than wanted when
+        memory is short."""
+        rows = self._rows_wanted(wanted)
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             fit = int(self.kv_fraction * free) // (length * kv_bytes_per_position(self.model))
@@ -157,6 +163,7 @@ class StaticBatchEngine:
             torch.cuda.empty_cache()
 
     def _activate(self, shape: Shape) -> None:
+        self.shape = shape
         self.cache, self.ids, self.pos, self.keys = shape.cache, shape.ids, shape.pos, shape.keys
         self.row_ix, self.cols, self.length = shape.row_ix, shape.cols, shape.length
         self._replay = shape.replay
@@ -320,7 +327,7 @@ class StaticBatchEngine:
         self.stats.prefills += 1
         return first.tolist()
 
-    # --- scheduling
+    # --- serving (data/engine_schedule.py decides which prompt runs in which row, and when)
 
     def generate(self, prompts: list[list[int]], keys: list[int] | None = None) -> list[list[int]]:
         """New token ids per prompt, ending at the first stop id or after max_new_tokens.
@@ -342,152 +349,41 @@ class StaticBatchEngine:
     def _serve(
         self, prompts: list[list[int]], keys: list[int], follow: Follow | None
     ) -> list[list[int]]:
-        """Cache lengths served shortest first; answers in the order of `prompts`."""
         self.calls += 1
-        outs: list[list[int]] = [[] for _ in prompts]
-        chain = list(range(len(prompts)))
-        new = self.settings.max_new_tokens
-        pending: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            pending.setdefault(cache_length(len(p) + new), []).append(i)
-        current = 0
-
-        def on_done(i: int) -> int | None:
-            """The next prompt of i's chain, if it runs in the current cache length."""
-            nxt = follow(chain[i], outs[i]) if follow is not None else None
-            if nxt is None:
-                return None
-            j = len(prompts)
-            prompts.append(nxt[0])
-            keys.append(nxt[1])
-            chain.append(chain[i])
-            outs.append([])
-            length = cache_length(len(nxt[0]) + new)  # prompts only grow: never a past one
-            if length == current:
-                return j
-            pending.setdefault(length, []).append(j)
-            return None
-
         with torch.inference_mode(), grouped_decode(self.model, self.flex):
-            while pending:
-                current = min(pending)
-                group = sorted(pending.pop(current), key=lambda i: len(prompts[i]))
-                self._run_group(current, group, Work(prompts, keys, outs, on_done))
-        return outs
+            return Scheduler(self, prompts, keys, follow).run()
 
-    def _run_group(self, length: int, group: list[int], work: Work) -> None:
-        """Continuous batching over prompts of one cache length (shortest first). One decode
-        step stays in flight: the host reads a step's tokens and does its bookkeeping while
-        the GPU runs the next one (rows that stopped step once more, as idle rows do); a
-        refill first reads the step in flight, since it changes rows under it."""
-        rows = self._ensure(length, len(group))
-        default_refill = max(1, rows // 8) if self.device.type == "cuda" else 1
-        refill_at = min(self.refill_rows or default_refill, rows)
-        g = Rows(deque(group), list(range(rows)))
-        flight: Flight | None = None
-        while g.queue or g.live or g.cont or flight is not None:
-            waiting = len(g.queue) + len(g.cont)
-            fillable = min(len(g.free), len(g.queue)) + len(g.cont)
-            refill = bool(waiting) and (not g.live or fillable >= min(refill_at, waiting))
-            if flight is not None and (refill or not g.live):
-                self._take(flight, g, work)
-                flight = None
-            elif refill:
-                self._refill(g, work)
-            else:
-                assert self._replay is not None
-                launched = self._tokens.queue(self._replay())
-                self.stats.decode_steps += 1
-                self.stats.row_steps += rows
-                if flight is not None:
-                    self._take(flight, g, work)
-                flight = launched
+    def _rows_at(self, length: int, wanted: int) -> int:
+        """The rows `_ensure(length, wanted)` would give, memory aside."""
+        shape = self._built.get(length)
+        if shape is not None and (shape.rows >= min(self.max_rows, wanted) or shape.capped):
+            return shape.rows
+        return self._rows_wanted(wanted)
 
-    def _take(self, read: Flight, g: Rows, work: Work) -> None:
-        """A step's tokens for the rows still live. No row joins while a step is in flight
-        (a refill reads it first), so these were all live at its launch; a row that stopped
-        at the step before got a token past its end, dropped with the row."""
-        t0 = time.perf_counter()
-        tok = read()
-        t1 = time.perf_counter()
-        self.stats.row_steps_busy += len(g.live)
-        for slot, i in list(g.live.items()):
-            work.outs[i].append(tok[slot])
-            if self._done(work.outs[i]):
-                del g.live[slot]
-                self._retire(slot, i, g, work)
-        self.stats.decode_s += t1 - t0
-        self.stats.host_s += time.perf_counter() - t1
+    def _room_beside(self, length: int, wanted: int, carried: int) -> bool:
+        """Whether a shape of `length` for `wanted` prompts, `carried` of them rows moved in
+        from the active shape, can be had while the active one is still held: a built one
+        with room for the carried rows, or a new one at the rows memory would allow it alone."""
+        shape = self._built.get(length)
+        if shape is not None and (shape.rows >= min(self.max_rows, wanted) or shape.capped):
+            return shape.rows >= carried
+        return self._rows_for(length, wanted) >= self._rows_wanted(wanted)
 
-    def _done(self, toks: list[int]) -> bool:
-        return (
-            toks[-1] in self.stop_set
-            or len(toks) >= self.settings.max_new_tokens
-            or (self.settings.stop_loops and loops_now(toks))
-        )
-
-    def _retire(self, slot: int, i: int, g: Rows, work: Work) -> None:
-        """Prompt i (in row `slot`) is answered. Its chain's next prompt, when it runs in this
-        cache length, continues in the same row after the history the row already holds
-        (the turns of a conversation: only the new user turn is prefilled); otherwise it
-        waits in the queue and the row is free."""
-        j = work.on_done(i)
-        if j is not None and self.reuse_prefix:
-            c = min(common_prefix(work.cached(i), work.prompts[j]), len(work.prompts[j]) - 1)
-            if c > 0:
-                g.cont.append((slot, j, c))
-                return
-        if j is not None:
-            g.queue.append(j)
-        g.free.append(slot)
-
-    def _admit(
-        self, g: Rows, work: Work, slots: list[int], idx: list[int], firsts: list[int]
-    ) -> None:
-        for slot, i, t in zip(slots, idx, firsts):
-            work.outs[i].append(t)
-            if self._done(work.outs[i]):
-                self._retire(slot, i, g, work)
-            else:
-                g.live[slot] = i
-
-    def _refill(self, g: Rows, work: Work) -> None:
-        """Prefill waiting prompts, in chunks of at most prefill_tokens: continuations in
-        their own rows first, then new prompts into the free rows."""
-        t0 = time.perf_counter()
-        while g.cont:
-            g.cont.sort(key=lambda e: len(work.prompts[e[1]]) - e[2])
-            chunk = [g.cont.pop(0)]
-            # Each continuing row attends to (and gathers, per layer) its whole cache row, so
-            # rows x L is bounded as well as the fed tokens.
-            most_rows = max(1, 8 * self.prefill_tokens // self.length)
-            while (
-                g.cont
-                and len(chunk) < most_rows
-                and (len(chunk) + 1) * (len(work.prompts[g.cont[0][1]]) - g.cont[0][2])
-                <= self.prefill_tokens
-            ):
-                chunk.append(g.cont.pop(0))
-            slots, idx, starts = (list(x) for x in zip(*chunk))
-            firsts = self._prefill(
-                slots, [work.prompts[i] for i in idx], [work.keys[i] for i in idx], starts
-            )
-            self.stats.continued += len(chunk)
-            self.stats.reused_tokens += sum(starts)
-            self._admit(g, work, slots, idx, firsts)
-        g.free.sort()
-        take = [g.queue.popleft() for _ in range(min(len(g.free), len(g.queue)))]
-        take.sort(key=lambda i: len(work.prompts[i]))  # chains queue longer prompts late
-        while take:
-            chunk_i = [take.pop(0)]
-            while take and (len(chunk_i) + 1) * len(work.prompts[take[0]]) <= self.prefill_tokens:
-                chunk_i.append(take.pop(0))  # sorted by length: the last is the widest
-            slots = [g.free.pop(0) for _ in chunk_i]
-            firsts = self._prefill(
-                slots, [work.prompts[i] for i in chunk_i], [work.keys[i] for i in chunk_i]
-            )
-            self._admit(g, work, slots, chunk_i, firsts)
-        self.stats.prefill_s += time.perf_counter() - t0
+    def _move_rows(self, src: Shape, rows: list[tuple[int, int]]) -> dict[int, int]:
+        """Copy rows (slot in `src`, prompt) into the first rows of the active, longer shape:
+        each row's K/V at the same positions, its next token, position and sampling key. The
+        new rows for their prompts."""
+        dev = self.device
+        old = torch.tensor([slot for slot, _ in rows], dtype=torch.long, device=dev)
+        new = torch.arange(len(rows), device=dev)
+        n = src.length
+        for layer, k in src.cache.keys.items():  # one cache row per slot: [rows, Hkv, L, D]
+            self.cache.keys[layer][new, :, :n] = k[old]
+            self.cache.values[layer][new, :, :n] = src.cache.values[layer][old]
+        self.ids[new] = src.ids[old]
+        self.pos[new] = src.pos[old]
+        self.keys[new] = src.keys[old]
+        return {slot: i for slot, (_, i) in enumerate(rows)}
 
 
 def engine_notice(model: Any) -> str | None:

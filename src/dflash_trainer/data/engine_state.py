@@ -52,6 +52,10 @@ class EngineStats:
     """Chain turns prefilled in their conversation's own row, after its cached history."""
     reused_tokens: int = 0
     """History tokens those turns did not prefill again."""
+    carries: int = 0
+    """Times a cache length's busy rows moved into the next length instead of draining."""
+    carried_rows: int = 0
+    """Rows so moved, each with its cache (data/engine_schedule.py)."""
 
 
 Follow = Callable[[int, list[int]], "tuple[list[int], int] | None"]
@@ -142,6 +146,8 @@ class Rows:
     free: list[int]
     live: dict[int, int] = field(default_factory=dict)
     cont: list[tuple[int, int, int]] = field(default_factory=list)
+    no_carry: bool = False
+    """The next cache length has no room beside this one: its rows drain here."""
 
 
 Flight = Callable[[], list[int]]

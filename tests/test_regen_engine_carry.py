@@ -1,0 +1,122 @@
+"""The static engine's rows carried into a longer cache length instead of draining
+(data/engine_schedule.py), on CPU in fp32: multi-turn conversations give the same tokens with
+and without carrying, greedy (equal to HF `generate` turn by turn) and sampled, and the
+fallback where the longer cache has no room for the carried rows gives them too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_data_support import tiny_llama
+from test_regen_engine import _hf, _lively, _prompts, _staggered_stops
+
+from dflash_trainer.data.engine import StaticBatchEngine
+from dflash_trainer.data.sampling import item_key
+from dflash_trainer.data.settings import GenerationSettings
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW, TURNS = 16, 3
+# Eight short first prompts fill an 8-row cache of 256 positions; five wait for 512 (+ 16 new
+# tokens), so an 8-row cache there has three rows idle, where the short rows can go.
+FIRST = [10, 30, 5, 60, 12, 25, 40, 8, 300, 320, 280, 250, 310]
+
+
+def _extras() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 400, (n,), generator=g).tolist() for n in (20, 40)]
+
+
+def _chains(engine: StaticBatchEngine, firsts: list[list[int]]) -> dict[int, list[list[int]]]:
+    """Every conversation's answers, TURNS turns each, a turn's key its (chain, turn)."""
+    extra = _extras()
+    got: dict[int, list[list[int]]] = {c: [] for c in range(len(firsts))}
+    current = list(firsts)
+
+    def follow(chain: int, ids: list[int]) -> tuple[list[int], int] | None:
+        got[chain].append(list(ids))
+        t = len(got[chain])
+        if t == TURNS:
+            return None
+        current[chain] = current[chain] + ids + extra[t - 1]
+        return current[chain], item_key(5, chain, t)
+
+    engine.generate_chains([(p, item_key(5, c, 0)) for c, p in enumerate(firsts)], follow)
+    return got
+
+
+def _reference(model: Any, prompt: list[int], stops: list[int]) -> list[list[int]]:
+    extra, outs = _extras(), []
+    for t in range(TURNS):
+        outs.append(_hf(model, [prompt], NEW, stops)[0])
+        if t + 1 < TURNS:
+            prompt = prompt + outs[-1] + extra[t]
+    return outs
+
+
+def test_carried_rows_answer_as_drained_ones_greedy_and_sampled() -> None:
+    model = _lively(tiny_llama(400))
+    firsts = _prompts(400, FIRST)
+    stops = _staggered_stops(model, firsts, NEW)
+    greedy = GenerationSettings("m", max_new_tokens=NEW)
+
+    def engine(
+        settings: GenerationSettings, carry: bool, stop: list[int] = stops
+    ) -> StaticBatchEngine:
+        return StaticBatchEngine(model, settings, stop, 0, rows=8, carry_rows=carry)
+
+    carried, drained = engine(greedy, True), engine(greedy, False)
+    carried.trace = []
+    got = _chains(carried, firsts)
+    assert got == _chains(drained, firsts)
+    assert got == {c: _reference(model, p, stops) for c, p in enumerate(firsts)}
+    assert carried.stats.carries >= 1 and carried.stats.carried_rows >= 1, carried.stats
+    assert drained.stats.carries == 0
+    # The carried rows took rows the longer cache had idle: fewer decode steps, no new shape.
+    assert carried.stats.decode_steps < drained.stats.decode_steps
+    assert carried.stats.row_steps < drained.stats.row_steps
+    assert sorted(carried.stats.shapes) == sorted(drained.stats.shapes) == [(8, 256), (8, 512)]
+    # A carried conversation's later turns that would fit 256 continue in the 512 cache:
+    # lengths only grow within the call.
+    lengths = [step[0] for step in carried.trace]
+    assert lengths == sorted(lengths) and lengths[-1] == 512
+
+    # Sampled: a seventh of the ids stop an answer, so answers end at many depths.
+    sampled = GenerationSettings("m", temperature=1.0, top_p=0.9, max_new_tokens=NEW, seed=5)
+    many = list(range(3, 60))
+    one, other = engine(sampled, True, many), engine(sampled, False, many)
+    draws = _chains(one, firsts)
+    assert draws == _chains(other, firsts) and one.stats.carries >= 1
+    assert draws != got  # temperature 1 does sample
+
+
+class _NoRoomAt512(StaticBatchEngine):
+    """Memory as if the 512-position cache could be built beside the 256 one, but then got
+    one row (a build that ran out of memory and halved): fewer than the carried rows."""
+
+    moved = 0
+
+    def _room_beside(self, length: int, wanted: int, carried: int) -> bool:
+        return True
+
+    def _rows_for(self, length: int, wanted: int) -> int:
+        return 1 if length == 512 else super()._rows_for(length, wanted)
+
+    def _move_rows(self, src: Any, rows: list[tuple[int, int]]) -> dict[int, int]:
+        self.moved += 1
+        return super()._move_rows(src, rows)
+
+
+def test_carried_rows_without_room_finish_in_their_own_cache() -> None:
+    model = _lively(tiny_llama(400))
+    firsts = _prompts(400, FIRST)
+    stops = _staggered_stops(model, firsts, NEW)
+    settings = GenerationSettings("m", max_new_tokens=NEW)
+    tight = _NoRoomAt512(model, settings, stops, 0, rows=8)
+    got = _chains(tight, firsts)
+    drained = StaticBatchEngine(model, settings, stops, 0, rows=8, carry_rows=False)
+    assert got == _chains(drained, firsts)
+    assert tight.stats.carries >= 1 and tight.moved == 0  # every carry fell back to draining
+    assert (1, 512) in tight.stats.shapes
