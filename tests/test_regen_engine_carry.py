@@ -120,3 +120,60 @@ def test_carried_rows_without_room_finish_in_their_own_cache() -> None:
     assert got == _chains(drained, firsts)
     assert tight.stats.carries >= 1 and tight.moved == 0  # every carry fell back to draining
     assert (1, 512) in tight.stats.shapes
+
+
+def test_the_occupancy_benchmark_counts_planted_answers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/regenerate_occupancy.py on a few conversations: every answer of the planted
+    model is exactly as long as the workload says (the script fails otherwise), the counts
+    add up (no token lost or doubled by a carry), and the carrying engine needs no more decode
+    steps than the draining one."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from test_data_support import sharegpt, tiny_tokenizer, write_jsonl
+
+    path = Path(__file__).parents[1] / "benchmarks" / "regenerate_occupancy.py"
+    spec = importlib.util.spec_from_file_location("regenerate_occupancy", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks itself up there
+    spec.loader.exec_module(bench)
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    convs = [
+        sharegpt(*[(r, f"{r} {c} {t} " * (7 * c + 3 * t + 1)) for t in range(1 + c % 4)
+                   for r in ("human", "gpt")], rid=str(c))
+        for c in range(24)
+    ]  # fmt: skip
+    src = write_jsonl(tmp_path / "convs.jsonl", convs)
+    argv = ["--input", str(src), "--tokenizer", str(tmp_path / "tok"), "--conversations", "24"]
+    argv += ["--rows", "8", "--kv-positions-per-row", "0"]
+    results = {}
+    for name, extra in (("drain", ["--no-carry-rows"]), ("carry", [])):
+        assert bench.main([*argv, *extra, "--out", str(tmp_path / f"{name}.json")]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for r in results.values():
+        first, every = r["legs"]["first_turns"], r["legs"]["all_turns"]
+        assert r["workload"]["conversations"] == first["conversations"] == 24
+        # The longest conversations end at the (scaled) conversation budget, as regenerate ends them.
+        assert first["turns"] == 24 < every["turns"] <= sum(1 + c % 4 for c in range(24))
+        for leg in (first, every):
+            assert leg["answers_of_wrong_length"] == 0
+            e = leg["engine"]
+            # Each answer's first token comes from its prefill, every other from one busy row.
+            assert e["row_steps_busy"] == leg["generated_tokens"] - leg["turns"]
+            assert e["decode_steps"] == sum(
+                v["decode_steps"] for v in leg["by_cache_length"].values()
+            )
+            assert e["row_steps_busy"] == sum(v["tokens"] for v in leg["by_cache_length"].values())
+            assert (
+                sum(leg["idle_row_steps_by_reason"].values())
+                == e["row_steps"] - e["row_steps_busy"]
+            )
+    for leg in ("first_turns", "all_turns"):
+        drained, carried = results["drain"]["legs"][leg], results["carry"]["legs"][leg]
+        assert carried["engine"]["row_steps_busy"] == drained["engine"]["row_steps_busy"]
+        assert carried["engine"]["decode_steps"] <= drained["engine"]["decode_steps"]

@@ -363,7 +363,8 @@ class StaticBatchEngine:
     def _room_beside(self, length: int, wanted: int, carried: int) -> bool:
         """Whether a shape of `length` for `wanted` prompts, `carried` of them rows moved in
         from the active shape, can be had while the active one is still held: a built one
-        with room for the carried rows, or a new one at the rows memory would allow it alone."""
+        with room for the carried rows, or a new one that memory gives every row it asks for
+        beside the active one (never one capped for it: it would stay capped for the call)."""
         shape = self._built.get(length)
         if shape is not None and (shape.rows >= min(self.max_rows, wanted) or shape.capped):
             return shape.rows >= carried

@@ -25,9 +25,10 @@ the caches and runs the forwards; this decides what they are fed).
   they fit, the shorter length keeps draining (benchmarks/regenerate_occupancy.py measures
   what each rule costs: a looser one raised the slots read per answered token).
 - Memory: the longer cache is built beside the shorter one, so rows are carried only when
-  the longer length gets, with the shorter still held, the rows it would get anyway (on a
-  GPU a long length's rows are capped by free memory); otherwise the shorter length drains
-  first, as it did before carrying, and so do carried rows a build leaves no room for.
+  memory gives the longer length, with the shorter still held, every row it asks for;
+  otherwise the shorter length drains first, as it did before carrying (on a GPU the long
+  lengths' rows are capped by free memory, so those transitions drain), and so do carried
+  rows that a build which ran out of memory leaves no room for.
 - Shapes stay static: each length keeps one (rows, L) decode shape, captured once, of the
   rows it would have had without carrying; no new shape. The copy of carried rows is an
   eager indexed copy between two built caches, outside any graph.
