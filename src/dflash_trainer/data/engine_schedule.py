@@ -46,21 +46,57 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from dflash_trainer.data.engine_state import (
+    EngineStats,
     Flight,
     Follow,
     Rows,
     Shape,
+    StepTokens,
     Work,
     cache_length,
     common_prefix,
 )
 from dflash_trainer.data.loop_tails import loops_now
+from dflash_trainer.data.settings import GenerationSettings
+from dflash_trainer.eval.static_decode import _Replay
 
-if TYPE_CHECKING:
-    from dflash_trainer.data.engine import StaticBatchEngine
+
+class Engine(Protocol):
+    """What the scheduler asks of the engine (data/engine.py's StaticBatchEngine): named here
+    so that this module does not import the engine that imports it."""
+
+    settings: GenerationSettings
+    stop_set: set[int]
+    reuse_prefix: bool
+    carry_rows: bool
+    device: torch.device
+    refill_rows: int | None
+    prefill_tokens: int
+    stats: EngineStats
+    shape: Shape | None
+    length: int
+    pos: torch.Tensor
+    trace: list[tuple[int, int, int, int, int]] | None
+    _replay: _Replay | None
+    _tokens: StepTokens
+
+    def _activate(self, shape: Shape) -> None: ...
+    def _ensure(self, length: int, wanted: int) -> int: ...
+    def _rows_at(self, length: int, wanted: int) -> int: ...
+    def _room_beside(self, length: int, wanted: int, carried: int) -> bool: ...
+    def _move_rows(self, src: Shape, rows: list[tuple[int, int]]) -> dict[int, int]: ...
+    def _prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        keys: list[int],
+        starts: list[int] | None = None,
+    ) -> list[int]: ...
 
 
 @dataclass
@@ -78,7 +114,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: StaticBatchEngine,
+        engine: Engine,
         prompts: list[list[int]],
         keys: list[int],
         follow: Follow | None,
