@@ -162,7 +162,7 @@ def _prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         budget=args.budget,
         loop_tails=args.loop_tails,
-        exclude_ids=prompts_cli.lineage_ids(args.exclude_lineage),
+        exclude=prompts_cli.lineage_turns(args.exclude_lineage),
     )
     manifest = read_manifest(out)
     print(ReadReport.from_dict(manifest["read_report"]).format())
@@ -222,14 +222,7 @@ def _regenerate_locked(args: argparse.Namespace) -> int:
     convs = [c for c in records if isinstance(c, Conversation)]
     print(report.format(), file=sys.stderr)
     if args.exclude_lineage:
-        used = prompts_cli.lineage_ids(args.exclude_lineage)
-        fresh = [c for c in convs if c.id not in used]
-        print(
-            f"left out {len(convs) - len(fresh)} conversations whose prompt id the lineage "
-            f"records ({len(used)} ids in {', '.join(args.exclude_lineage)})",
-            file=sys.stderr,
-        )
-        convs = fresh
+        convs = prompts_cli.fresh_conversations(convs, args.exclude_lineage, args.max_turns)
     if not convs:
         raise DFlashError(f"no conversations with a user turn in {args.input}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)

@@ -35,6 +35,7 @@ from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.sources import SourceReport, describe_skip, read_source
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import check_regular, read_small_bytes
+from dflash_trainer.lineage.turns import RecordedTurns
 from dflash_trainer.outputs import locks_output
 
 SIDECAR_FORMAT = "dflash-prompt-sources"
@@ -108,11 +109,12 @@ def build_mixture(
     sources: tuple[SourceConfig, ...] | list[SourceConfig],
     index: EvalIndex | None,
     seed: int = 0,
-    exclude: frozenset[str] = frozenset(),
+    exclude: RecordedTurns | None = None,
 ) -> Mixture:
     """Read every source, drop cross-source duplicates (the earlier source keeps it), drop
-    contaminated records and those whose id is in `exclude` (a lineage's prompt ids), apply
-    caps, interleave by weight."""
+    contaminated records and those `exclude` (a lineage's records) trained on every turn of,
+    apply caps, interleave by weight. A conversation with user turns after those the lineage
+    trained on is kept (counted as `later_turns`): its earlier turns become context."""
     seen: set[str] = set()
     streams, reports = [], []
     dropped: list[dict[str, Any]] = []
@@ -126,7 +128,7 @@ def build_mixture(
                 report.skipped["duplicate"] += 1
                 continue
             seen.add(h)
-            if conv.id in exclude:
+            if exclude and _all_turns_recorded(conv, exclude):
                 report.in_lineage += 1
                 continue
             hit = index.check(conv) if index is not None else None
@@ -150,6 +152,7 @@ def build_mixture(
             report.over_cap = len(kept) - src.cap
             kept = kept[: src.cap]
         for conv in kept:
+            report.later_turns += bool(exclude and conv.id in exclude)
             users = [m["content"] for m in conv.messages if m["role"] == "user"]
             report.user_turns += len(users)
             report.prompt_words += sum(len(u.split()) for u in users)
@@ -173,6 +176,13 @@ def build_mixture(
     if index is not None:
         info |= index.settings()
     return Mixture(mixed, reports, dropped, info)
+
+
+def _all_turns_recorded(conv: Conversation, exclude: RecordedTurns) -> bool:
+    """Whether a lineage trained on every turn of `conv`: each user turn is answered by one
+    assistant turn (regenerate answers them all), so its turns are its user turns."""
+    users = sum(m["role"] == "user" for m in conv.messages)
+    return conv.id in exclude and not exclude.new_turns(conv.id, users)
 
 
 def _write_atomic(path: Path, lines: Iterator[str]) -> Path:

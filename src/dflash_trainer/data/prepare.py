@@ -48,11 +48,13 @@ from dflash_trainer.data.template import ChatTemplate, TemplatedDoc
 from dflash_trainer.data.tokenizer_check import serialized_sha256, vocab_ids_sha256
 from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.lineage.turns import RecordedTurns, encode, value_problem
 from dflash_trainer.outputs import check_not_input
 
 SPLITS = ("train", "eval")
 RECORD_IDS = "record_ids.json.gz"
-"""{split: {record id: assistant turns}}: which prompts each split holds (lineage, exclusion)."""
+"""{split: {record id: assistant turns}}: which prompts each split holds and which of their
+assistant turns it supervises (n: turns 1..n; a list when earlier turns are context only)."""
 PREPARED_FILES = frozenset({MANIFEST, "stats.txt", "stats.json", "lengths.png", RECORD_IDS})
 
 
@@ -90,8 +92,12 @@ def _fingerprint(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _batches(records: Iterator[Record], n: int) -> Iterator[list[Record]]:
-    batch: list[Record] = []
+_Item = tuple[Record, frozenset[int]]
+"""A record and its assistant turns kept as context only (a lineage trained on them)."""
+
+
+def _batches(records: Iterator[_Item], n: int) -> Iterator[list[_Item]]:
+    batch: list[_Item] = []
     for r in records:
         batch.append(r)
         if len(batch) == n:
@@ -102,19 +108,20 @@ def _batches(records: Iterator[Record], n: int) -> Iterator[list[Record]]:
 
 
 def _templated(
-    batch: list[Record], chat: ChatTemplate, vocab_size: int
-) -> Iterator[tuple[Record, TemplatedDoc | Skip]]:
-    convs = [r for r in batch if isinstance(r, Conversation)]
-    docs = iter(chat.tokenize(convs))
-    for r in batch:
+    batch: list[_Item], chat: ChatTemplate, vocab_size: int
+) -> Iterator[tuple[Record, frozenset[int], TemplatedDoc | Skip]]:
+    convs = [(r, c) for r, c in batch if isinstance(r, Conversation)]
+    docs = iter(chat.tokenize([r for r, _ in convs], [c for _, c in convs]))
+    for r, context in batch:
         if isinstance(r, TokenizedRow):
             ids = np.asarray(r.input_ids, dtype=np.int64)
             if ids.min() < 0 or ids.max() >= vocab_size:
-                yield r, Skip("bad_tokens")
+                yield r, context, Skip("bad_tokens")
             else:
-                yield r, TemplatedDoc(ids.astype(np.int32), np.asarray(r.loss_mask, dtype=bool))
+                mask = np.asarray(r.loss_mask, dtype=bool)
+                yield r, context, TemplatedDoc(ids.astype(np.int32), mask)
         else:
-            yield r, next(docs)
+            yield r, context, next(docs)
 
 
 @dataclass(frozen=True)
@@ -229,14 +236,52 @@ def _turns(record: Record) -> int:
     return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
 
 
+class _Exclusion:
+    """What a lineage already trained on, applied to the records read: a conversation keeps
+    the assistant turns no continuation supervised, the others become context (their mask
+    off); one with no new turn is skipped as `in_lineage`. A pre-tokenized row has no turns
+    the template can name, so one whose id is recorded at all is skipped."""
+
+    def __init__(self, recorded: RecordedTurns) -> None:
+        self.recorded = recorded
+        self.later_turns = 0
+        """Records kept for turns after those recorded (their earlier turns context only)."""
+        self.context_turns = 0
+
+    def apply(
+        self, records: Iterator[Record], report: ReadReport, tally: SourceTally
+    ) -> Iterator[_Item]:
+        for r in records:
+            if r.id not in self.recorded:
+                yield r, frozenset()
+                continue
+            turns = _turns(r)
+            new = self.recorded.new_turns(r.id, turns) if isinstance(r, Conversation) else []
+            if not new:
+                report.reject("in_lineage")
+                tally.reject(r.id, "in_lineage")
+                continue
+            context = frozenset(range(1, turns + 1)).difference(new)
+            self.later_turns += 1
+            self.context_turns += len(context)
+            yield r, context
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "recorded_ids": len(self.recorded),
+            "kept_for_later_turns": self.later_turns,
+            "context_turns": self.context_turns,
+        }
+
+
 def _write_documents(
-    root: Path, inp: _Inputs, batch_size: int, loops: LoopTally, exclude: frozenset[str]
+    root: Path, inp: _Inputs, batch_size: int, loops: LoopTally, exclude: _Exclusion | None
 ) -> tuple[ReadReport, SourceTally, dict[str, list[dict[str, Any]]]]:
     """Read, template and shard every record; the counts and each split's shard entries.
 
-    Records whose id is in `exclude` (a lineage's prompt ids) are skipped as `in_lineage`."""
+    With `exclude` (a lineage's records), turns it trained on are context, not supervised."""
     settings = inp.settings
-    ids: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+    ids: dict[str, dict[str, int | list[int]]] = {s: {} for s in SPLITS}
     report = ReadReport(source=str(inp.source))
     tally = SourceTally()  # per `<source>/` id prefix (files from `dflash data prompts`)
     mask_loops = prepared_mode(settings) == "mask"
@@ -245,10 +290,11 @@ def _write_documents(
         inp.resolved, settings["fmt"], report, True, max_records=settings["max_records"]
     )
     max_tokens = settings["max_tokens"]
-    if exclude:
-        records = _without(records, exclude, report, tally)
-    for batch in _batches(records, batch_size):
-        for record, doc in _templated(batch, inp.chat, len(inp.tok)):
+    items = (
+        exclude.apply(records, report, tally) if exclude else ((r, frozenset()) for r in records)
+    )
+    for batch in _batches(items, batch_size):
+        for record, context, doc in _templated(batch, inp.chat, len(inp.tok)):
             if mask_loops and not isinstance(doc, Skip):
                 doc = mask_loop_tails(doc, loops)
             if isinstance(doc, Skip) or (
@@ -264,32 +310,22 @@ def _write_documents(
             doc_id = record.content_hash
             split = split_of(doc_id, settings["eval_fraction"])
             writers[split].add(doc_id, doc.input_ids, doc.loss_mask)
-            ids[split][record.id] = _turns(record)
+            supervised = set(range(1, _turns(record) + 1)) - context
+            ids[split][record.id] = encode(supervised)
     write_record_ids(root, ids)
     return report, tally, {s: w.close() for s, w in writers.items()}
 
 
-def _without(
-    records: Iterator[Record], exclude: frozenset[str], report: ReadReport, tally: SourceTally
-) -> Iterator[Record]:
-    for r in records:
-        if r.id in exclude:
-            report.reject("in_lineage")
-            tally.reject(r.id, "in_lineage")
-        else:
-            yield r
-
-
-def write_record_ids(root: Path, ids: dict[str, dict[str, int]]) -> None:
+def write_record_ids(root: Path, ids: dict[str, dict[str, int | list[int]]]) -> None:
     import gzip
 
     with gzip.GzipFile(root / RECORD_IDS, "wb", mtime=0) as f:
         f.write(json.dumps(ids, sort_keys=True, ensure_ascii=False).encode("utf-8"))
 
 
-def read_record_ids(root: str | Path, split: str = "train") -> dict[str, int] | None:
-    """{record id: assistant turns} of one split; None for a directory prepared before the
-    ids were kept (or written by hand)."""
+def read_record_ids(root: str | Path, split: str = "train") -> dict[str, int | list[int]] | None:
+    """{record id: assistant turns supervised (n: 1..n, or a list)} of one split; None for a
+    directory prepared before the ids were kept (or written by hand)."""
     import gzip
 
     path = Path(root) / RECORD_IDS
@@ -297,9 +333,15 @@ def read_record_ids(root: str | Path, split: str = "train") -> dict[str, int] | 
         return None
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return dict(json.load(f).get(split, {}))
-    except (OSError, ValueError, AttributeError) as e:
+            ids = dict(json.load(f).get(split, {}))
+    except (OSError, ValueError, AttributeError, TypeError) as e:
         raise DFlashError(f"{path}: damaged ({e}); prepare the directory again") from e
+    for rid, turns in ids.items():
+        problem = "null" if turns is None else value_problem(turns)
+        if problem:
+            raise DFlashError(f"{path}: the turns of {rid!r:.80} are damaged ({problem}); "
+                              "prepare the directory again")  # fmt: skip
+    return ids
 
 
 def _manifest(
@@ -351,7 +393,7 @@ def prepare_dataset(
     budget: int = 8192,
     batch_size: int = 256,
     loop_tails: str = "keep",
-    exclude_ids: frozenset[str] | None = None,
+    exclude: RecordedTurns | None = None,
 ) -> Path:
     """Prepare `source` for training with `tokenizer`'s chat template into `out_dir`.
 
@@ -359,7 +401,8 @@ def prepare_dataset(
     spec for `load_tokenizer`. Documents over `max_tokens` are skipped (`too_long`). `budget`
     only feeds the statistics (documents over the trainer's token budget). `loop_tails`:
     "keep", or "mask" to take answers' repeating tails out of supervision (data/loop_tails.py).
-    `exclude_ids`: record ids left out (`in_lineage`): the prompts a drafter's lineage holds.
+    `exclude`: the (prompt id, assistant turn)s a drafter's lineage trained on: those turns
+    are context only, and a record with no other turn is left out (`in_lineage`).
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DFlashError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
@@ -380,22 +423,24 @@ def prepare_dataset(
         }
         if loop_tails != "keep":  # absent when kept: directories prepared before it stay valid
             settings["loop_tails"] = loop_tails
-        exclude = frozenset(exclude_ids or ())
+        exclusion = _Exclusion(exclude) if exclude else None
         if exclude:  # likewise absent without exclusion
-            digest = hashlib.sha256("\n".join(sorted(exclude)).encode("utf-8")).hexdigest()
-            settings["exclude_ids"] = {"count": len(exclude), "sha256": digest}
+            digest = hashlib.sha256("\n".join(exclude.lines()).encode("utf-8")).hexdigest()
+            settings["exclude_turns"] = {"ids": len(exclude), "sha256": digest}
         inp = _inputs(source, tokenizer, template_kwargs, settings)
         if _reuse(out, inp.fingerprint, overwrite):
             return out
         with atomic_directory(out, replace=True) as tmp:  # _reuse refused what is not ours
             loops = LoopTally()
-            report, tally, entries = _write_documents(tmp, inp, batch_size, loops, exclude)
+            report, tally, entries = _write_documents(tmp, inp, batch_size, loops, exclusion)
             if report.kept == 0:
                 raise DFlashError(
                     f"no usable records in {source}:\n{report.format()}\n(prompts only? "
                     "regenerate answers first with `dflash data regenerate`)"
                 )
             manifest = _manifest(inp, report, tally, entries, loops)
+            if exclusion is not None:
+                manifest["lineage_exclusion"] = exclusion.to_dict()
             _write_json(tmp / MANIFEST, manifest)
             _write_stats(tmp, budget)
             for split in SPLITS:  # what the trainer checks against its target's vocabulary

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.data.decontam import (
@@ -17,6 +18,9 @@ from dflash_trainer.data.decontam import (
     parse_rules,
 )
 from dflash_trainer.data.near_dup import DEFAULT_CONTAINMENT
+
+if TYPE_CHECKING:
+    from dflash_trainer.lineage.turns import RecordedTurns
 
 
 def add_parser(sub: Any) -> None:
@@ -69,17 +73,42 @@ def add_exclude_lineage(p: Any) -> None:
         metavar="DIR",
         action="append",
         default=[],
-        help="leave out every prompt id recorded in this drafter's lineage (a drafter or run "
-        "directory with lineage.json), so a continuation trains on prompts it has not seen; "
-        "repeatable",
+        help="leave out what this drafter's lineage (a drafter or run directory with "
+        "lineage.json) trained on, per (prompt id, assistant turn): a conversation with turns "
+        "after the recorded ones is kept for those, its earlier turns as context; repeatable",
     )
 
 
-def lineage_ids(dirs: list[str]) -> frozenset[str]:
-    """The prompt ids recorded in the lineages of `dirs` (their hashes checked)."""
-    from dflash_trainer.lineage.record import recorded_ids
+def lineage_turns(dirs: list[str]) -> RecordedTurns:
+    """The (prompt id, assistant turn)s recorded in the lineages of `dirs` (hashes checked)."""
+    from dflash_trainer.lineage.record import recorded_turns
+    from dflash_trainer.lineage.turns import RecordedTurns
 
-    return frozenset(pid for d in dirs for pid in recorded_ids(d))
+    out = RecordedTurns()
+    for d in dirs:
+        for pid, turns in recorded_turns(d).by_id.items():
+            out.add(pid, turns)
+    return out
+
+
+def fresh_conversations(convs: list[Any], dirs: list[str], max_turns: int | None) -> list[Any]:
+    """The conversations with a turn (among those regenerate answers) that the lineages of
+    `dirs` did not train on; all their turns are answered, the earlier ones as context."""
+    used = lineage_turns(dirs)
+    fresh, later = [], 0
+    for c in convs:
+        users = sum(m["role"] == "user" for m in c.messages)
+        if c.id in used:
+            if not used.new_turns(c.id, min(users, max_turns or users)):
+                continue
+            later += 1
+        fresh.append(c)
+    print(
+        f"left out {len(convs) - len(fresh)} conversations the lineage trained on every turn "
+        f"of, kept {later} for their later turns ({len(used)} ids in {', '.join(dirs)})",
+        file=sys.stderr,
+    )
+    return fresh
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +142,7 @@ def _run_locked(args: argparse.Namespace, t0: float) -> int:
             parse_rules(args.decontam_rules),
             args.near_dup_containment,
         )
-    exclude = lineage_ids(args.exclude_lineage)
+    exclude = lineage_turns(args.exclude_lineage)
     mix = build_mixture(sources, index, args.seed, exclude)
     meta: dict[str, Any] = {"sources_spec": str(args.sources), "seed": args.seed}
     if args.exclude_lineage:
@@ -122,6 +151,8 @@ def _run_locked(args: argparse.Namespace, t0: float) -> int:
             "recorded_ids": len(exclude),
             "excluded": sum(r.in_lineage for r in mix.reports),
             "per_source": {r.name: r.in_lineage for r in mix.reports if r.in_lineage},
+            "kept_for_later_turns": sum(r.later_turns for r in mix.reports),
+            "later_turns_per_source": {r.name: r.later_turns for r in mix.reports if r.later_turns},
         }
     write_mixture(mix, args.out, meta)
     sidecar = read_sidecar(args.out)
@@ -129,7 +160,9 @@ def _run_locked(args: argparse.Namespace, t0: float) -> int:
     print(format_source_counts(sidecar))
     if args.exclude_lineage:
         ex = meta["excluded_by_lineage"]
-        print(f"left out {ex['excluded']:,} prompts recorded in the lineage: {ex['per_source']}")
+        print(f"left out {ex['excluded']:,} prompts the lineage trained on every turn of: "
+              f"{ex['per_source']}; kept {ex['kept_for_later_turns']:,} for their later turns "
+              f"(earlier turns as context): {ex['later_turns_per_source']}")  # fmt: skip
     print(
         f"wrote {args.out} ({len(mix.conversations):,} conversations), "
         f"{args.out.name}.sources.json and {args.out.name}.decontam.jsonl "

@@ -82,7 +82,10 @@ class SourceReport:
     decontaminated_by: Counter[str] = field(default_factory=Counter)
     """Decontamination drops per rule (`decontam.RULES`)."""
     in_lineage: int = 0
-    """Prompts left out because a drafter's lineage records their id (--exclude-lineage)."""
+    """Prompts left out because a drafter's lineage records every one of their turns
+    (--exclude-lineage)."""
+    later_turns: int = 0
+    """Written prompts a lineage records some turns of: kept for their later turns."""
     over_cap: int = 0
     written: int = 0
     user_turns: int = 0
@@ -109,6 +112,7 @@ class SourceReport:
             "decontaminated": self.decontaminated,
             "decontaminated_by": dict(sorted(self.decontaminated_by.items())),
             "in_lineage": self.in_lineage,
+            "later_turns": self.later_turns,
             "over_cap": self.over_cap,
             "written": self.written,
             "user_turns": self.user_turns,

@@ -168,8 +168,15 @@ class ChatTemplate:
             raise Skip("template_error") from e
         return full, spans
 
-    def tokenize(self, conversations: Sequence[Conversation]) -> list[TemplatedDoc | Skip]:
-        """Template and tokenize a batch (one batched tokenizer call: it uses all cores)."""
+    def tokenize(
+        self,
+        conversations: Sequence[Conversation],
+        context: Sequence[frozenset[int]] | None = None,
+    ) -> list[TemplatedDoc | Skip]:
+        """Template and tokenize a batch (one batched tokenizer call: it uses all cores).
+
+        `context[i]`: assistant turns of conversation i (numbered from 1) kept as context only,
+        their mask left off (a drafter's lineage already trained on them)."""
         rendered: list[tuple[str, list[tuple[int, int | None]]] | Skip] = []
         for conv in conversations:
             try:
@@ -182,14 +189,14 @@ class ChatTemplate:
             enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         out: list[TemplatedDoc | Skip] = []
         k = 0
-        for r in rendered:
+        for i, r in enumerate(rendered):
             if isinstance(r, Skip):
                 out.append(r)
                 continue
             ids, offsets = enc["input_ids"][k], enc["offset_mapping"][k]
             k += 1
             try:
-                out.append(self._masked(ids, offsets, r[1]))
+                out.append(self._masked(ids, offsets, r[1], context[i] if context else frozenset()))
             except Skip as s:
                 out.append(s)
         return out
@@ -199,6 +206,7 @@ class ChatTemplate:
         ids: list[int],
         offsets: list[tuple[int, int]],
         spans: list[tuple[int, int | None]],
+        context: frozenset[int] = frozenset(),
     ) -> TemplatedDoc:
         ids_T = np.asarray(ids, dtype=np.int32)
         starts_T = np.asarray([o[0] for o in offsets], dtype=np.int64)
@@ -211,7 +219,7 @@ class ChatTemplate:
             else None
         )
         prev_end = -1
-        for header_end, turn_end in spans:
+        for turn, (header_end, turn_end) in enumerate(spans, 1):
             # The first token holding any character at or after the header end.
             first = int(np.searchsorted(ends_T, header_end, side="right"))
             if first >= len(ids) or first <= prev_end:
@@ -228,6 +236,6 @@ class ChatTemplate:
                 last = int(np.searchsorted(starts_T, turn_end, side="left")) - 1
             if last < first:
                 raise Skip("mask_mismatch")
-            mask_T[first : last + 1] = True
+            mask_T[first : last + 1] = turn not in context  # checked the same either way
             prev_end = last
         return TemplatedDoc(ids_T, mask_T, repairs)

@@ -34,6 +34,7 @@ from dflash_trainer.lineage.record import (
 )
 from dflash_trainer.lineage.served import eval_entry
 from dflash_trainer.lineage.summary import lineage_lines, replace_section
+from dflash_trainer.lineage.turns import TurnsValue, count, decode, overlap
 
 
 def drafter_weights_sha256(path: str | Path) -> str:
@@ -126,20 +127,30 @@ def _verify(args: argparse.Namespace) -> int:
                 f"{d / LINEAGE_FILE}: continuation {c['index']} starts from weights {start} "
                 f"that continuation {prev['index']} neither produced nor exported"
             )
-    seen: dict[str, int] = {}
-    for i, p in enumerate(prompts):
-        for pid in p:
-            if pid in seen:
-                raise DFlashError(
-                    f"{d / LINEAGE_FILE}: prompt {pid!r} is recorded by continuations "
-                    f"{seen[pid]} and {i}: a continuation reused a prompt"
-                )
-            seen[pid] = i
+    seen = _no_turn_twice(prompts, d / LINEAGE_FILE)
     print(
         f"{d}: lineage OK ({len(conts)} continuations, {len(seen):,} distinct prompt ids, "
         f"weights sha256 {h[:16]}... match the last continuation)"
     )
     return 0
+
+
+def _no_turn_twice(prompts: list[dict[str, TurnsValue]], where: Path) -> dict[str, list[int]]:
+    """Refuse a lineage in which two continuations trained on the same (prompt id, assistant
+    turn); a later continuation may train on a prompt's later turns. {id: continuations}."""
+    seen: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        for pid, value in p.items():
+            for j in seen.get(pid, []):
+                shared = overlap(decode(prompts[j][pid]), decode(value))
+                if shared is None or shared:
+                    which = "every turn" if shared is None else f"assistant turn {shared[0]}"
+                    raise DFlashError(
+                        f"{where}: {which} of prompt {pid!r} is recorded by continuations {j} "
+                        f"and {i}: a continuation trained on a turn an earlier one had trained on"
+                    )
+            seen.setdefault(pid, []).append(i)
+    return seen
 
 
 def _locked(path: str, command: str) -> contextlib.AbstractContextManager[None]:
@@ -178,11 +189,11 @@ def _add_eval_locked(args: argparse.Namespace) -> int:
     return 0
 
 
-def prompt_turns(path: str | Path) -> dict[str, int | None]:
+def prompt_turns(path: str | Path) -> dict[str, TurnsValue]:
     """{id: assistant turns (None when the record has no answers)} of a JSONL file."""
     from dflash_trainer.data.jsonio import iter_jsonl
 
-    out: dict[str, int | None] = {}
+    out: dict[str, TurnsValue] = {}
     for row in iter_jsonl(Path(path)):
         if not isinstance(row, dict) or not isinstance(row.get("id"), str):
             raise DFlashError(f"{path}: every line needs a string `id` (a prompts file)")
@@ -201,7 +212,7 @@ def _init_locked(args: argparse.Namespace) -> int:
     if read_lineage(d) is not None:
         raise DFlashError(f"{d}: already has a {LINEAGE_FILE}; `init` only starts a lineage")
     h = drafter_weights_sha256(d)
-    prompts: dict[str, int | None] = {}
+    prompts: dict[str, TurnsValue] = {}
     for f in args.prompts:
         prompts.update(prompt_turns(f))
     counted = [t for t in prompts.values() if t is not None]
@@ -214,7 +225,7 @@ def _init_locked(args: argparse.Namespace) -> int:
         "documents": args.documents,
         "assistant_turns": args.assistant_turns
         if args.assistant_turns is not None
-        else (sum(counted) if counted else None),
+        else (sum(map(count, counted)) if counted else None),
         "supervised_tokens": args.supervised_tokens,
         "sources": dict(sorted(sources.items())),
         "prompt_files": [str(f) for f in args.prompts],

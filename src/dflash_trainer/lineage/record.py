@@ -5,6 +5,10 @@ A drafter directory (a run's `drafter/`, an export, a published drafter) may hol
     lineage.json               {"format": "dflash-lineage", "version": 1, "continuations": [...]}
     lineage_prompts.jsonl.gz   one line per continuation: {"index": i, "prompts": {id: turns}}
 
+`turns` are the assistant turns of the prompt that continuation supervised (lineage/turns.py:
+n for turns 1..n, a list, or null for all of them); a later continuation may supervise the
+prompt's other turns.
+
 One continuation is one training run: where it started (the start drafter's weights hash,
 none for a drafter trained from scratch), its data (prepared directory and fingerprint,
 documents, assistant turns, supervised tokens, per-source counts, the prompt ids it trained
@@ -39,16 +43,20 @@ from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import open_input
 from dflash_trainer.json_input import parse_json, read_json
+from dflash_trainer.lineage.turns import RecordedTurns, TurnsValue, value_problem
 
 LINEAGE_FILE = "lineage.json"
 PROMPTS_FILE = "lineage_prompts.jsonl.gz"
 LINEAGE_FILES = frozenset({LINEAGE_FILE, PROMPTS_FILE})
 FORMAT = "dflash-lineage"
-VERSION = 1
+VERSION = 2
+"""The newest version this tool reads. A lineage is written as version 1 (what older tools
+read) until a continuation records turns that are not 1..n, which only version 2 has."""
+TURN_LISTS = 2
 
 Lineage = dict[str, Any]
-PromptTurns = dict[str, int | None]
-"""Prompt id -> assistant turns trained on (None: not recorded, taken as all of them)."""
+PromptTurns = dict[str, TurnsValue]
+"""Prompt id -> assistant turns trained on (lineage/turns.py: n, a list, or None for all)."""
 
 
 # ------------------------------------------------------------------------------- hashes
@@ -64,7 +72,7 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def prompts_sha256(prompts: Mapping[str, int | None]) -> str:
+def prompts_sha256(prompts: Mapping[str, TurnsValue]) -> str:
     text = json.dumps(dict(sorted(prompts.items())), separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -77,7 +85,7 @@ def now() -> str:
 
 
 def empty() -> Lineage:
-    return {"format": FORMAT, "version": VERSION, "continuations": []}
+    return {"format": FORMAT, "version": 1, "continuations": []}
 
 
 def lineage_dir(path: str | Path) -> Path | None:
@@ -161,6 +169,11 @@ def _prompt_lines(f: Path) -> dict[int, PromptTurns]:
                 index, prompts = row.get("index"), row.get("prompts")
                 if not isinstance(index, int) or not isinstance(prompts, dict):
                     raise DFlashError(f"{f}: line {n} is not {{index, prompts}}")
+                bad = next(((k, p) for k, v in prompts.items() if (p := value_problem(v))), None)
+                if bad is not None:
+                    raise DFlashError(f"{f}: line {n}: the turns of prompt {bad[0]!r:.80} are "
+                                      f"damaged ({bad[1]}); restore the lineage files from the "
+                                      "drafter's source")  # fmt: skip
                 lines[index] = dict(prompts)
     except (OSError, EOFError, zlib.error) as e:  # gzip: damaged or cut short
         raise DFlashError(f"{f}: not a readable gzip file ({type(e).__name__}: {e})") from e
@@ -232,6 +245,8 @@ def append(
     )
     c["data"] = data
     conts.append(c)
+    if any(isinstance(v, list) for v in (prompts or {}).values()):
+        lineage["version"] = max(int(lineage.get("version", 1)), TURN_LISTS)
     return lineage, [*parent_prompts, dict(prompts or {})]
 
 
@@ -250,14 +265,20 @@ def check_describes(lineage: Lineage, weights_hash: str, where: str) -> None:
         )
 
 
-def recorded_ids(path: str | Path) -> set[str]:
-    """Every prompt id a continuation of the lineage at `path` trained on (hashes checked)."""
+def recorded_turns(path: str | Path) -> RecordedTurns:
+    """Every (prompt id, assistant turn) a continuation of the lineage at `path` trained on
+    (hashes checked)."""
     if read_lineage(path) is None:
         raise DFlashError(
             f"--exclude-lineage {path}: no {LINEAGE_FILE} there (nor in {path}/drafter); give a "
             "drafter or run directory that records its lineage"
         )
-    return {pid for p in read_prompts(path) for pid in p}
+    return RecordedTurns(read_prompts(path))
+
+
+def recorded_ids(path: str | Path) -> set[str]:
+    """Every prompt id a continuation of the lineage at `path` trained on (some turns of)."""
+    return set(recorded_turns(path).by_id)
 
 
 def totals(lineage: Lineage) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The trainer's side of the lineage: what a run inherits, what it refuses, what it appends.
 
 `Inheritance.of` reads the start drafter's lineage (checked against the weights that were
-loaded), `check_fresh` refuses training data that holds a prompt id the lineage already
-trained on, and `files_for_run` returns the final drafter's lineage files: the inherited
+loaded), `check_fresh` refuses training data that supervises an assistant turn of a prompt
+the lineage already trained on (later turns of such a prompt are welcome), and `files_for_run` returns the final drafter's lineage files: the inherited
 continuations plus this run's.
 """
 
@@ -27,6 +27,7 @@ from dflash_trainer.lineage.record import (
     read_prompts,
     weights_sha256,
 )
+from dflash_trainer.lineage.turns import RecordedTurns, count
 
 
 @dataclass
@@ -46,15 +47,16 @@ class Inheritance:
             check_describes(parent, h, str(lineage_dir(path)))
         return cls(path, h, parent, read_prompts(path) if parent else [])
 
-    def used_ids(self) -> set[str]:
-        return {pid for p in self.prompts for pid in p}
+    def used_turns(self) -> RecordedTurns:
+        return RecordedTurns(self.prompts)
 
 
 def check_fresh(inherited: Inheritance, data_path: Path | None) -> None:
-    """Refuse training data that repeats a prompt id of the start drafter's lineage."""
+    """Refuse training data that supervises a (prompt id, assistant turn) the start drafter's
+    lineage already trained on."""
     from dflash_trainer.data.prepare import read_record_ids
 
-    used = inherited.used_ids()
+    used = inherited.used_turns()
     if not used or data_path is None:
         return
     ids = read_record_ids(data_path)
@@ -64,13 +66,19 @@ def check_fresh(inherited: Inheritance, data_path: Path | None) -> None:
             f"the lineage of {inherited.init_from}; prepare it again with `dflash data prepare "
             f"--exclude-lineage {inherited.init_from}`"
         )
-    repeated = sorted(used & set(ids))
+    repeated = {
+        pid: t for pid in sorted(used.by_id.keys() & ids) if (t := used.repeated(pid, ids[pid]))
+    }
     if repeated:
+        turns = sum(map(len, repeated.values()))
+        some = [f"{pid} turn {t[0]}" for pid, t in list(repeated.items())[:3]]
         raise DFlashError(
-            f"{data_path}: {len(repeated)} of its {len(ids)} training prompts were trained on by "
-            f"an earlier continuation recorded in {inherited.init_from}'s lineage (e.g. "
-            f"{repeated[:3]}); prepare the data with `dflash data prepare --exclude-lineage "
-            f"{inherited.init_from}` (or regenerate fresh prompts)"
+            f"{data_path}: {len(repeated)} of its {len(ids)} training prompts supervise "
+            f"{turns} assistant turn(s) an earlier continuation recorded in "
+            f"{inherited.init_from}'s lineage already trained on (e.g. {', '.join(some)}); "
+            f"prepare the data with `dflash data prepare --exclude-lineage "
+            f"{inherited.init_from}` (those turns become context, their later turns stay), "
+            "or regenerate fresh prompts"
         )
 
 
@@ -89,14 +97,16 @@ def data_summary(
     for pid, turns in (ids or {}).items():
         head, sep, _ = pid.partition("/")
         if sep and head in sources:
-            sources[head]["assistant_turns"] = sources[head].get("assistant_turns", 0) + turns
+            sources[head]["assistant_turns"] = sources[head].get("assistant_turns", 0) + count(
+                turns
+            )
     mixture = m.get("source_mixture") or {}
     data: dict[str, Any] = {
         "prepared": str(data_path) if data_path is not None else None,
         "fingerprint": m.get("fingerprint"),
         "source": (m.get("source") or {}).get("spec"),
         "documents": train.get("documents"),
-        "assistant_turns": sum(ids.values()) if ids is not None else None,
+        "assistant_turns": sum(map(count, ids.values())) if ids is not None else None,
         "supervised_tokens": train.get("supervised_tokens"),
         "tokens": train.get("tokens"),
         "sources": sources,

@@ -1,0 +1,125 @@
+"""Which assistant turns of each prompt a lineage has trained on: the unit of freshness.
+
+A continuation may train on a conversation an earlier one trained on, as long as it
+supervises only turns the earlier ones did not (the earlier turns are then context). So the
+lineage records, per prompt id, the assistant turns (numbered from 1, in conversation order)
+that were supervised, in one of three forms:
+
+    n            turns 1..n (the form every lineage written before per-turn records uses)
+    [2, 3]       exactly these turns (only written when the turns are not 1..n)
+    null         not recorded: taken as every turn of the conversation
+
+`encode` writes a set of turns in the shortest of these forms, so a continuation that
+supervised every turn of its conversations writes exactly what an older tool would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+TurnsValue = int | list[int] | None
+"""One prompt's turns as stored in JSON (lineage_prompts.jsonl.gz, record_ids.json.gz)."""
+
+Turns = frozenset[int] | None
+"""One prompt's turns as a set; None: all of them."""
+
+
+def value_problem(value: Any) -> str | None:
+    """What is wrong with a stored turns value, or None when it is one of the three forms."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if value >= 0 else f"{value} turns"
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in value)
+    ):
+        return None if value == sorted(set(value)) else "turns not sorted and distinct"
+    return f"{value!r:.40} is not a count, a list of turn numbers or null"
+
+
+def decode(value: TurnsValue) -> Turns:
+    """The set of turns a stored value names (None: all turns)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return frozenset(range(1, value + 1))
+    return frozenset(value)
+
+
+def encode(turns: Iterable[int]) -> int | list[int]:
+    """The stored form of a set of turns: n for 1..n, else the sorted list."""
+    ordered = sorted(set(turns))
+    if ordered == list(range(1, len(ordered) + 1)):
+        return len(ordered)
+    return ordered
+
+
+def count(value: TurnsValue) -> int:
+    """How many turns a stored value names (0 for null: not recorded)."""
+    if value is None:
+        return 0
+    return value if isinstance(value, int) else len(value)
+
+
+def overlap(a: Turns, b: Turns) -> list[int] | None:
+    """The turns two records of one prompt share, sorted ([] when none); None when both are
+    "all turns"."""
+    if a is None and b is None:
+        return None
+    if a is None:
+        return sorted(b or ())
+    return sorted(a if b is None else a & b)
+
+
+class RecordedTurns:
+    """The union of several continuations' (prompt id -> turns): what may not be trained on
+    again."""
+
+    def __init__(self, records: Iterable[Mapping[str, TurnsValue]] = ()) -> None:
+        self.by_id: dict[str, Turns] = {}
+        for record in records:
+            for pid, value in record.items():
+                self.add(pid, decode(value))
+
+    def add(self, pid: str, turns: Turns) -> None:
+        if pid in self.by_id:
+            had = self.by_id[pid]
+            turns = None if had is None or turns is None else had | turns
+        self.by_id[pid] = turns
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self.by_id
+
+    def recorded(self, pid: str) -> Turns:
+        """The turns of `pid` already trained on (an empty set when none)."""
+        return self.by_id.get(pid, frozenset())
+
+    def new_turns(self, pid: str, turns: int) -> list[int]:
+        """Of turns 1..`turns` of `pid`, those no recorded continuation trained on."""
+        done = self.recorded(pid)
+        if done is None:
+            return []
+        return [t for t in range(1, turns + 1) if t not in done]
+
+    def repeated(self, pid: str, value: int | list[int]) -> list[int]:
+        """The turns of a stored record of `pid` (a count or a list) already trained on."""
+        done = self.recorded(pid)
+        mine = decode(value) or frozenset()
+        return sorted(mine) if done is None else sorted(mine & done)
+
+    def lines(self) -> list[str]:
+        """Sorted `id<TAB>turns` lines: what a preparation's fingerprint hashes."""
+        out = []
+        for pid in sorted(self.by_id):
+            turns = self.by_id[pid]
+            out.append(f"{pid}\t{'all' if turns is None else encode(turns)}")
+        return out
