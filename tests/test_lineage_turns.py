@@ -71,7 +71,9 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
-def test_prepare_keeps_later_turns_with_the_recorded_ones_as_context(tmp_path: Path) -> None:
+def test_prepare_keeps_later_turns_with_the_recorded_ones_as_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tok = tmp_path / "tok"
     tiny_tokenizer().save_pretrained(tok)
     rows = [_talk("mix/a", 3), _talk("mix/b", 3), _talk("mix/c", 2), _talk("mix/d", 3)]
@@ -82,6 +84,8 @@ def test_prepare_keeps_later_turns_with_the_recorded_ones_as_context(tmp_path: P
     lin2 = _lineage(tmp_path / "lin2", {"mix/d": 1})
     plain = _prepare(src, tok, tmp_path / "plain")
     fresh = _prepare(src, tok, tmp_path / "fresh", lin, lin2)
+    said = capsys.readouterr().out
+    assert "lineage: 2 conversations kept for their later turns, 3 recorded turns" in said
     name = {content_hash(r["messages"]): r["id"] for r in rows}  # documents are named by content
     before = {name[d.doc_id]: d for d in plain.iter_documents()}
     after = {name[d.doc_id]: d for d in fresh.iter_documents()}

@@ -2,7 +2,7 @@
 # One time-limited GPU job of the headline drafter's lineage: fresh prompts, a continuation from
 # the published drafter, both served side by side, the new drafter and the results brought back.
 # Jobs add up: each continuation records what it trained on in the drafter's lineage.json
-# (docs/lineage.md), and the next job never trains on a prompt id recorded there.
+# (docs/lineage.md), and the next job never trains on an assistant turn recorded there.
 #
 #   bash benchmarks/gpu/headline_job.sh
 #   DEVICE=cpu OUT=/tmp/job bash benchmarks/gpu/headline_job.sh     # the CPU rehearsal
@@ -14,9 +14,11 @@
 #            benchmarks/gpu/data_scale.sh made them) and the totals of GENESIS_* knobs
 #   regen    fresh prompts: SYNTH_N synthesized with seed SEED (default: the number of recorded
 #            continuations, so no job repeats a seed; ids `synth-s<SEED>/...`) and whatever
-#            MIX offers that the lineage does not record, both with --exclude-lineage, then
+#            MIX offers that the lineage does not record every turn of, both with
+#            --exclude-lineage (a conversation with turns left keeps them), then
 #            regenerated (all turns, loop stop) for REGEN_SECONDS
-#   prepare  the regenerated set, loop tails masked, recorded prompts left out (counted)
+#   prepare  the regenerated set, loop tails masked, recorded turns context only, prompts
+#            with no new turn left out (counted)
 #   train    `dflash train --init-from $OUT/init` to the end of its schedule (a fresh optimizer,
 #            the schedule's warmup again); an interrupted run resumes from its checkpoint
 #   eval     the new drafter exported (z-lab layout, bf16, its lineage carried) and served beside

@@ -166,6 +166,10 @@ def _prepare(args: argparse.Namespace) -> int:
     )
     manifest = read_manifest(out)
     print(ReadReport.from_dict(manifest["read_report"]).format())
+    lin = manifest.get("lineage_exclusion")
+    if lin:
+        print(f"lineage: {lin['kept_for_later_turns']} conversations kept for their later turns, "
+              f"{lin['context_turns']} recorded turns as context only")  # fmt: skip
     loops = manifest.get("loop_tails", {})
     if loops.get("mode") == "mask":
         print(

@@ -39,8 +39,8 @@ def lineage_lines(lineage: Lineage | None) -> list[str]:
         f"Trained in {tot['continuations']} continuation(s), {_n(tot['steps'])} optimizer steps "
         f"in all, on {_n(tot['documents'])} conversations: {_n(tot['assistant_turns'])} "
         f"assistant turns, {_n(tot['supervised_tokens'])} supervised tokens "
-        "(each continuation on prompts no earlier one trained on; `lineage.json` lists them, "
-        "`lineage_prompts.jsonl.gz` holds their ids).",
+        "(each continuation on assistant turns no earlier one trained on; `lineage.json` lists "
+        "them, `lineage_prompts.jsonl.gz` holds the prompt ids and their turns).",
         "",
     ]
     if tot["sources"]:
