@@ -30,6 +30,7 @@ from dflash_trainer.lineage.record import (
     recorded_turns,
     write_lineage,
 )
+from dflash_trainer.lineage.turns import TurnSet
 from dflash_trainer.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,7 +157,7 @@ def test_a_lineage_in_the_count_form_reads_as_turns_one_to_n(tmp_path: Path) -> 
         json.dumps({"format": "dflash-lineage", "version": 1, "continuations": [cont]})
     )
     recorded = recorded_turns(d)
-    assert recorded.recorded("mix/c0") == {1, 2} and recorded.recorded("mix/c1") == {1}
+    assert recorded.recorded("mix/c0") == TurnSet(2) and recorded.recorded("mix/c1") == TurnSet(1)
     assert recorded.recorded("mix/c2") is None  # not recorded: every turn
     assert recorded.new_turns("mix/c0", 4) == [3, 4] and recorded.new_turns("mix/c2", 9) == []
     assert read_prompts(d) == [prompts]  # read as written, hashes intact
@@ -171,6 +172,7 @@ def test_a_turn_in_two_continuations_is_refused_by_verify(tmp_path: Path) -> Non
         ([{"a": 2}, {"a": [2, 3]}], "assistant turn 2 of prompt 'a'"),
         ([{"a": None}, {"a": [7]}], "assistant turn 7 of prompt 'a'"),
         ([{"a": None}, {"a": None}], "every turn of prompt 'a'"),
+        ([{"a": 10**30}, {"a": [7]}], "assistant turn 7 of prompt 'a'"),  # a number, not a set
         ([{"a": [3]}, {"b": 1}, {"a": 3}], "continuations 0 and 2"),
     ):
         with pytest.raises(DFlashError, match=needle):
@@ -232,7 +234,7 @@ def test_a_continuation_trains_the_later_turns_of_earlier_conversations(
     prompts = read_prompts(run3)
     assert prompts[3] == {f"mix/c{i}": [3] if i % 3 == 0 else [2] for i in range(12)}
     assert lineage["continuations"][3]["data"]["assistant_turns"] == 12
-    assert recorded_turns(run3).recorded("mix/c0") == {1, 2, 3}
+    assert recorded_turns(run3).recorded("mix/c0") == TurnSet(3)
     assert main(["lineage", "verify", str(run3)]) == 0
     # Nothing is left of these conversations for a fifth continuation.
     assert main(["data", "prepare", "--input", str(src), "--tokenizer", str(chain.target),

@@ -144,7 +144,7 @@ def _no_turn_twice(prompts: list[dict[str, TurnsValue]], where: Path) -> dict[st
             for j in seen.get(pid, []):
                 shared = overlap(decode(prompts[j][pid]), decode(value))
                 if shared is None or shared:
-                    which = "every turn" if shared is None else f"assistant turn {shared[0]}"
+                    which = "every turn" if shared is None else f"assistant turn {shared.first()}"
                     raise DFlashError(
                         f"{where}: {which} of prompt {pid!r} is recorded by continuations {j} "
                         f"and {i}: a continuation trained on a turn an earlier one had trained on"

@@ -70,8 +70,8 @@ def check_fresh(inherited: Inheritance, data_path: Path | None) -> None:
         pid: t for pid in sorted(used.by_id.keys() & ids) if (t := used.repeated(pid, ids[pid]))
     }
     if repeated:
-        turns = sum(map(len, repeated.values()))
-        some = [f"{pid} turn {t[0]}" for pid, t in list(repeated.items())[:3]]
+        turns = sum(t.size() for t in repeated.values())
+        some = [f"{pid} turn {t.first()}" for pid, t in list(repeated.items())[:3]]
         raise DFlashError(
             f"{data_path}: {len(repeated)} of its {len(ids)} training prompts supervise "
             f"{turns} assistant turn(s) an earlier continuation recorded in "

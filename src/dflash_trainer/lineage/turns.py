@@ -16,13 +16,56 @@ supervised every turn of its conversations writes exactly what an older tool wou
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 TurnsValue = int | list[int] | None
 """One prompt's turns as stored in JSON (lineage_prompts.jsonl.gz, record_ids.json.gz)."""
 
-Turns = frozenset[int] | None
-"""One prompt's turns as a set; None: all of them."""
+
+@dataclass(frozen=True)
+class TurnSet:
+    """Turns 1..`upto` and the turns in `extra` (all above `upto + 1`): the count form stays a
+    number, however large a damaged or hostile file makes it."""
+
+    upto: int = 0
+    extra: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, upto: int, extra: Iterable[int] = ()) -> TurnSet:
+        rest = {t for t in extra if t > upto}
+        while upto + 1 in rest:
+            upto += 1
+            rest.discard(upto)
+        return cls(upto, frozenset(rest))
+
+    def __contains__(self, turn: object) -> bool:
+        return isinstance(turn, int) and (1 <= turn <= self.upto or turn in self.extra)
+
+    def __bool__(self) -> bool:
+        return self.upto > 0 or bool(self.extra)
+
+    def size(self) -> int:  # not __len__: len() refuses numbers past sys.maxsize
+        return self.upto + len(self.extra)
+
+    def first(self) -> int | None:
+        return 1 if self.upto else min(self.extra, default=None)
+
+    def union(self, other: TurnSet) -> TurnSet:
+        return TurnSet.of(max(self.upto, other.upto), self.extra | other.extra)
+
+    def intersection(self, other: TurnSet) -> TurnSet:
+        upto = min(self.upto, other.upto)
+        both = {t for t in self.extra if t in other} | {t for t in other.extra if t in self}
+        return TurnSet.of(upto, both)
+
+    def value(self) -> int | list[int]:
+        """The stored form (only for sets a conversation can hold: a list is spelled out)."""
+        return self.upto if not self.extra else [*range(1, self.upto + 1), *sorted(self.extra)]
+
+
+Turns = TurnSet | None
+"""One prompt's turns; None: all of them."""
 
 
 def value_problem(value: Any) -> str | None:
@@ -41,20 +84,17 @@ def value_problem(value: Any) -> str | None:
 
 
 def decode(value: TurnsValue) -> Turns:
-    """The set of turns a stored value names (None: all turns)."""
+    """The turns a stored value names (None: all turns)."""
     if value is None:
         return None
     if isinstance(value, int):
-        return frozenset(range(1, value + 1))
-    return frozenset(value)
+        return TurnSet(value)
+    return TurnSet.of(0, value)
 
 
 def encode(turns: Iterable[int]) -> int | list[int]:
     """The stored form of a set of turns: n for 1..n, else the sorted list."""
-    ordered = sorted(set(turns))
-    if ordered == list(range(1, len(ordered) + 1)):
-        return len(ordered)
-    return ordered
+    return TurnSet.of(0, turns).value()
 
 
 def count(value: TurnsValue) -> int:
@@ -64,14 +104,14 @@ def count(value: TurnsValue) -> int:
     return value if isinstance(value, int) else len(value)
 
 
-def overlap(a: Turns, b: Turns) -> list[int] | None:
-    """The turns two records of one prompt share, sorted ([] when none); None when both are
-    "all turns"."""
+def overlap(a: Turns, b: Turns) -> TurnSet | None:
+    """The turns two records of one prompt share (empty when none); None when both are "all
+    turns"."""
     if a is None and b is None:
         return None
-    if a is None:
-        return sorted(b or ())
-    return sorted(a if b is None else a & b)
+    if a is None or b is None:
+        return b if a is None else a
+    return a.intersection(b)
 
 
 class RecordedTurns:
@@ -87,7 +127,7 @@ class RecordedTurns:
     def add(self, pid: str, turns: Turns) -> None:
         if pid in self.by_id:
             had = self.by_id[pid]
-            turns = None if had is None or turns is None else had | turns
+            turns = None if had is None or turns is None else had.union(turns)
         self.by_id[pid] = turns
 
     def __len__(self) -> int:
@@ -101,7 +141,7 @@ class RecordedTurns:
 
     def recorded(self, pid: str) -> Turns:
         """The turns of `pid` already trained on (an empty set when none)."""
-        return self.by_id.get(pid, frozenset())
+        return self.by_id.get(pid, TurnSet())
 
     def new_turns(self, pid: str, turns: int) -> list[int]:
         """Of turns 1..`turns` of `pid`, those no recorded continuation trained on."""
@@ -110,16 +150,16 @@ class RecordedTurns:
             return []
         return [t for t in range(1, turns + 1) if t not in done]
 
-    def repeated(self, pid: str, value: int | list[int]) -> list[int]:
+    def repeated(self, pid: str, value: int | list[int]) -> TurnSet:
         """The turns of a stored record of `pid` (a count or a list) already trained on."""
         done = self.recorded(pid)
-        mine = decode(value) or frozenset()
-        return sorted(mine) if done is None else sorted(mine & done)
+        mine = decode(value) or TurnSet()
+        return mine if done is None else mine.intersection(done)
 
     def lines(self) -> list[str]:
         """Sorted `id<TAB>turns` lines: what a preparation's fingerprint hashes."""
         out = []
         for pid in sorted(self.by_id):
-            turns = self.by_id[pid]
-            out.append(f"{pid}\t{'all' if turns is None else encode(turns)}")
+            t = self.by_id[pid]
+            out.append(f"{pid}\t{'all' if t is None else f'{t.upto}+{sorted(t.extra)}'}")
         return out
