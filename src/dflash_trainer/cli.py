@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dflash_trainer import __version__
 from dflash_trainer.cli_errors import debug_requested, report
+from dflash_trainer.cli_paths import expand_home
 from dflash_trainer.cli_streams import guarded
 from dflash_trainer.config_cli import in_command_line_order
 from dflash_trainer.target.configs import remote_code_granted
@@ -81,6 +82,7 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
             module = importlib.import_module(cmd.module)
             getattr(module, cmd.add_arguments)(p)
             p.set_defaults(_run=getattr(module, cmd.run))
+            expand_home(p)  # `~` in every path flag alike (cli_paths.py)
     return parser
 
 

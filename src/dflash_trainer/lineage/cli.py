@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.atomic_dir import write_file_atomic
+from dflash_trainer.cli_paths import text
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import (
@@ -55,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = sub.add_parser("add-eval", help="attach evaluation reports to the last continuation")
     a.add_argument("dir")
     a.add_argument("reports", nargs="+", help="eval.json, a headline JSON or a comparison JSON")
-    a.add_argument("--name", help="the drafter's name in a side-by-side comparison JSON")
+    a.add_argument("--name", type=text, help="the drafter's name in a side-by-side comparison JSON")
     a.add_argument(
         "--continuation",
         type=num.integer(0),
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     i.add_argument("--supervised-tokens", type=num.integer(0))
     i.add_argument("--documents", type=num.integer(0))
-    i.add_argument("--note", default="", help="where the numbers come from")
+    i.add_argument("--note", default="", type=text, help="where the numbers come from")
     p.set_defaults(_lineage_parser=p)
 
 

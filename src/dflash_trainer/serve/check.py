@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer import cli_numbers as num
+from dflash_trainer.cli_paths import text
 from dflash_trainer.data.openai_client import OpenAIClient
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.serve.served import (
@@ -216,7 +217,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a vLLM server already serving the target with this drafter (e.g. "
         "http://host:8000/v1); default: start one here",
     )
-    p.add_argument("--model", help="with --base-url: the served model name (default: its only one)")
+    p.add_argument(
+        "--model", type=text, help="with --base-url: the served model name (default: its only one)"
+    )
     p.add_argument("--vllm-python", help="the vLLM virtualenv's python (default: .venv-vllm)")
     p.add_argument("--dtype", default="float32", help="target and drafter dtype on both sides")
     p.add_argument("--startup-timeout", type=num.positive(86400.0), default=900.0, help="seconds")
