@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import json
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 from fuzz_support import go_offline
-from hostile_support import SRC, World, build_world, eval_args, tree
+from hostile_support import SRC, World, build_world, eval_args, report_ok, tree
 
 from dflash_trainer.cli import main
 from dflash_trainer.cli_errors import TERMINATED, USER_ERROR
@@ -49,7 +50,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     go_offline(monkeypatch)
 
 
-_TEMP = re.compile(r"^\..+\.tmp(-[A-Za-z0-9_.]+-\d+)?$")  # a file: .NAME.RANDOM.tmp
+_TEMP = re.compile(r"^\..+\.(tmp|old)(\.[0-9a-f]{8})?-[A-Za-z0-9_.]+-\d+$")  # atomic_dir's names
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -238,3 +239,74 @@ def test_a_second_writer_of_an_output_is_refused_naming_the_first(
     assert rc == USER_ERROR and f"in use by `dflash holder` (process {holder.pid}" in err, err
     after = tree(tmp_path)
     assert {k: v for k, v in after.items() if "dflash-lock" not in k} == before
+
+
+KILLED_AT_WRITE = textwrap.dedent(
+    """
+    import os, sys, time
+    from dflash_trainer.cli import main
+
+    real_fsync = os.fsync
+    def paused_fsync(fd):  # the report's bytes are written, not yet renamed into place
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if "/.r.json." in name and ".tmp" in name:
+            print("writing", flush=True)
+            time.sleep(120)
+        real_fsync(fd)
+
+    os.fsync = paused_fsync
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_what_a_killed_file_writer_left_is_removed_by_the_next_one_and_nothing_else(
+    world: World, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """kill -9 while `eval --json` writes its report leaves its temporary and its lock; the
+    next eval of the same report removes both and writes it whole. Another program's
+    `.x.tmp` and `.r.json.tmp`, and the temporary of a writer still running, are kept."""
+    from dflash_trainer.atomic_dir import MARKER, temp_name
+
+    out = tmp_path / "r.json"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_WRITE)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = [*eval_args(world), "--json", str(out)]
+    proc = subprocess.Popen([sys.executable, str(script), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("killed.py", "r.json"))
+    assert len(left) == 2 and ".r.json.dflash-lock" in left, left  # its temporary, its lock
+    foreign = [tmp_path / ".x.tmp", tmp_path / ".r.json.tmp"]
+    for f in foreign:
+        f.write_text("another program's")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / temp_name("r.json").replace(".tmp-", ".tmp.0123abcd-").rsplit("-", 1)[0]
+        live = live.with_name(f"{live.name}-{sleeper.pid}")
+        live.mkdir()
+        host = live.name.rsplit("-", 2)[1]
+        (live / MARKER).write_text(
+            json.dumps({"tool": "dflash-trainer", "host": host, "pid": sleeper.pid})
+        )
+        (live / "content").write_text("being written")
+        capfd.readouterr()
+        assert main(argv) == 0
+        err = capfd.readouterr().err
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["killed.py", "r.json", live.name, ".x.tmp", ".r.json.tmp"]), err
+        assert f"process {proc.pid} is gone" in err, err
+        assert report_ok(out)
+        assert (live / "content").read_text() == "being written"
+        assert all(f.read_text() == "another program's" for f in foreign)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
