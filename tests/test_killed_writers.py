@@ -310,3 +310,112 @@ def test_what_a_killed_file_writer_left_is_removed_by_the_next_one_and_nothing_e
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+SLOW_SHUTDOWN = textwrap.dedent(
+    """
+    import atexit, sys, time
+    from dflash_trainer import cli_streams, dir_lock
+    from dflash_trainer.cli import main
+
+    stage = sys.argv.pop(1)
+    real_release = dir_lock.DirLock.release
+    def pause():
+        print("shutting down", flush=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not getattr(cli_streams, "_Signals", None):
+            time.sleep(0.05)  # (the code before the fix: the signal ends it here)
+        while time.monotonic() < deadline and not cli_streams._Signals.pending:
+            time.sleep(0.05)  # until the test's signal has come
+
+    def slow_release(self):  # the output's lock, released once the import is in place
+        if stage == "release":
+            pause()
+        real_release(self)
+
+    dir_lock.DirLock.release = slow_release
+    if stage == "exit":
+        atexit.register(pause)  # the interpreter's exit, after main() returned
+    sys.exit(main())
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["release", "exit"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_shutdown_keeps_the_status_and_the_output(
+    world: World, tmp_path: Path, stage: str, signum: int
+) -> None:
+    """Ctrl-C or SIGTERM once `dflash import` has written its output (while it releases its
+    lock, or while the interpreter exits) does not make it a failure: exit 0, the output
+    whole, the summary printed, no lock left."""
+    out = tmp_path / "d"
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SHUTDOWN)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, str(script), stage, "import", str(world.export), "--out", str(out)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not lines or lines[-1] != "shutting down":
+            line = proc.stdout.readline()
+            assert line, f"ended before its shutdown: {lines}"
+            lines.append(line.strip())
+        proc.send_signal(signum)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    printed = "\n".join([*lines, rest])
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "Traceback" not in err and "interrupted" not in err and "terminated" not in err, err
+    assert f"wrote {out / 'spec.json'}" in printed, printed
+    if stage == "release":  # said, not silently swallowed
+        assert "came after the outputs were written" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "drafter.safetensors", "meta.json", "spec.json"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "slow.py"]  # no lock, no temp
+    assert main(["import", str(out)]) == 0  # what it wrote reads back
+
+
+SIGNAL_IN_SWAP = textwrap.dedent(
+    """
+    import os, signal, sys
+    import dflash_trainer.atomic_dir as atomic_dir
+    from dflash_trainer.cli import main
+
+    real = atomic_dir._write_marker
+    def marked_then_signalled(d):  # the previous directory is aside, the new one not yet in
+        real(d)
+        if ".old-" in d.name:
+            os.kill(os.getpid(), signal.{signal})
+    atomic_dir._write_marker = marked_then_signalled
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_directory_is_swapped_in_loses_neither(
+    world: World, tmp_path: Path, name: str
+) -> None:
+    """Between moving the previous prepared directory aside and the new one into place, the
+    output is missing: a signal there waits for the swap, so the new one is in place (the
+    command still stops: exit 130 / 143), never neither, and nothing is left beside it."""
+    out = tmp_path / "prep"
+    argv = ["data", "prepare", "--input", str(world.conversations), "--tokenizer",
+            str(world.target), "--out", str(out), "--eval-fraction", "0"]  # fmt: skip
+    assert main([*argv, "--max-records", "3"]) == 0
+    script = tmp_path / "swap.py"
+    script.write_text(SIGNAL_IN_SWAP.format(signal=name))
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script), *argv, "--overwrite"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == (130 if name == "SIGINT" else TERMINATED), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prep", "swap.py"]
+    assert len(PreparedDataset(out)) == 6  # the new one, whole
+    assert main([*argv, "--overwrite"]) == 0

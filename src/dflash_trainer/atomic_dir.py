@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.cli_streams import critical
 from dflash_trainer.errors import DFlashError
 
 Log = Callable[[str], None]
@@ -271,6 +272,13 @@ def atomic_directory(
 
 
 def _publish(tmp: Path, final: Path, replace: bool) -> None:
+    # Between moving the previous directory aside and the new one into place, `final` is
+    # missing: Ctrl-C or SIGTERM there would leave neither. They wait until it is done.
+    with critical():
+        _swap(tmp, final, replace)
+
+
+def _swap(tmp: Path, final: Path, replace: bool) -> None:
     old = None
     if final.exists() or final.is_symlink():
         if not replace and not (final.is_dir() and not any(final.iterdir())):

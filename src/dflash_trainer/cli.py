@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dflash_trainer import __version__
 from dflash_trainer.cli_errors import debug_requested, report
 from dflash_trainer.cli_paths import expand_home
-from dflash_trainer.cli_streams import guarded
+from dflash_trainer.cli_streams import exiting, finished, guarded
 from dflash_trainer.config_cli import in_command_line_order
 from dflash_trainer.target.configs import remote_code_granted
 
@@ -112,14 +112,21 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """`dflash ARGV` (sys.argv when None: the program itself, which then also guards its exit)."""
+    status = _main(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        exiting(status)  # a signal during the interpreter's exit keeps the status (cli_streams)
+    return status
+
+
+def _main(argv: list[str]) -> int:
     # --debug is global and may stand anywhere before a `--`: taken out before parsing.
     end = argv.index("--") if "--" in argv else len(argv)
     debug = debug_requested("--debug" in argv[:end])
     argv = [a for i, a in enumerate(argv) if i >= end or a != "--debug"]
     selected = next((a for a in argv if not a.startswith("-")), None)
     command = selected if selected in COMMANDS else "(no command)"
-    with guarded():  # SIGTERM, a closed output pipe, an unprintable character (cli_streams.py)
+    with guarded():  # signals, a closed output pipe, an unprintable character (cli_streams.py)
         try:
             parser = _build_parser(selected if selected in COMMANDS else None)
             args = _parse(parser, argv)
@@ -129,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             run: Callable[[argparse.Namespace], int] = args._run
             # Repository code of a target runs only when the command line says so.
             with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
-                return int(run(args) or 0)
+                status = int(run(args) or 0)
+            finished()  # the command is done: a signal from here on does not fail it
+            return status
         except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
             return report(command, e, debug)  # SystemExit (argparse, --help) passes through
 

@@ -235,9 +235,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trainer.eval.report import write_json
+    from dflash_trainer.outputs import output_file, writing
 
-    report = run_check(args)
-    write_json(report, args.out)  # atomic: a check cut short leaves the previous report
+    args.out = output_file(args.out, "--out")
+    # Held for the whole check, like eval's: one check writes a report at a time, and the
+    # export it serves (locked in turn) is not mistaken for the command's last output.
+    with writing(args.out, "dflash serve-check", f"the report {args.out}"):
+        report = run_check(args)
+        write_json(report, args.out)  # atomic: a check cut short leaves the previous report
     for label, s in report["sets"].items():
         print(
             f"{label}: vLLM tau {_num(s['vllm_tau'])}, dflash eval tau {_num(s['dflash_eval_tau'])}"
