@@ -333,22 +333,29 @@ SLOW_SHUTDOWN = textwrap.dedent(
             pause()
         real_release(self)
 
+    class Finalized:  # torch's teardown, say: after the exit callbacks, Python's handlers gone
+        def __del__(self):
+            print("shutting down", flush=True)
+            time.sleep(3)  # the test's signal comes now
+
     dir_lock.DirLock.release = slow_release
     if stage == "exit":
         atexit.register(pause)  # the interpreter's exit, after main() returned
+    if stage == "teardown":
+        kept_until_teardown = Finalized()
     sys.exit(main())
     """
 )
 
 
-@pytest.mark.parametrize("stage", ["release", "exit"])
+@pytest.mark.parametrize("stage", ["release", "exit", "teardown"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_shutdown_keeps_the_status_and_the_output(
     world: World, tmp_path: Path, stage: str, signum: int
 ) -> None:
     """Ctrl-C or SIGTERM once `dflash import` has written its output (while it releases its
-    lock, or while the interpreter exits) does not make it a failure: exit 0, the output
-    whole, the summary printed, no lock left."""
+    lock, while the interpreter runs its exit callbacks, or tears itself down) does not make
+    it a failure: exit 0, the output whole, the summary printed, no lock left."""
     out = tmp_path / "d"
     script = tmp_path / "slow.py"
     script.write_text(SLOW_SHUTDOWN)

@@ -21,6 +21,7 @@ that went away, and a terminal that cannot show every character.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -41,6 +42,7 @@ class _Signals:
     critical = 0  # nesting of critical() in the main thread
     finished = False  # past the point of no return
     pending: list[int] = []  # noqa: RUF012 (one state per process, reset by guarded())
+    exiting = False  # main() returned as the program: the interpreter is exiting
 
 
 def _interrupt(signum: int) -> KeyboardInterrupt:
@@ -96,6 +98,18 @@ def exiting(status: int) -> None:
     if _in_main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, leave)
+        _Signals.exiting = True
+
+
+@atexit.register  # at import: it runs after the exit callbacks of every module imported later
+def _ignore_from_here() -> None:
+    """The last Python step of the exit: the interpreter then puts the signals' defaults back
+    and tears itself down (torch's teardown takes a while), where SIGINT / SIGTERM would kill
+    the process (status -2 / -15). Ignored instead, for that last stretch (kill -9 still
+    ends it)."""
+    if _Signals.exiting and _in_main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 class _Forgiving:
