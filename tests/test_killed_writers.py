@@ -426,3 +426,47 @@ def test_a_signal_while_a_directory_is_swapped_in_loses_neither(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prep", "swap.py"]
     assert len(PreparedDataset(out)) == 6  # the new one, whole
     assert main([*argv, "--overwrite"]) == 0
+
+
+WRAPPED_INTERRUPT = textwrap.dedent(
+    """
+    import sys, time
+    import dflash_trainer.formats.export as export
+    from dflash_trainer.cli import main
+
+    def reading(*args, **kwargs):  # as transformers' lazy imports do with a Ctrl-C in them
+        try:
+            print("reading", flush=True)
+            time.sleep(30)
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from None
+    export.import_drafter = reading
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_a_library_turned_into_its_own_error_is_still_an_interrupt(
+    world: World, tmp_path: Path, name: str
+) -> None:
+    """Ctrl-C inside a library that catches it and raises an error of its own is reported
+    as the interruption it was (exit 130 / 143), not as a problem with the input."""
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPED_INTERRUPT)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = ["import", str(world.export), "--out", str(tmp_path / "d")]
+    proc = subprocess.Popen([sys.executable, str(script), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+        proc.send_signal(getattr(signal, name))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    says = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted"
+    assert proc.returncode == (TERMINATED if name == "SIGTERM" else 130), err
+    assert f"dflash import: {says}" in err and "error" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapped.py"]

@@ -43,6 +43,7 @@ class _Signals:
     finished = False  # past the point of no return
     pending: list[int] = []  # noqa: RUF012 (one state per process, reset by guarded())
     exiting = False  # main() returned as the program: the interpreter is exiting
+    raised: int | None = None  # the signal whose interruption the handler raised
 
 
 def _interrupt(signum: int) -> KeyboardInterrupt:
@@ -54,7 +55,14 @@ def _on_signal(signum: int, frame: Any) -> None:
     if state.critical or (state.finished and not state.pending):
         state.pending.append(signum)  # said, and the command's own status kept
         return
+    state.raised = signum
     raise _interrupt(signum)
+
+
+def interruption() -> KeyboardInterrupt | None:
+    """The interruption this command's handler raised (Ctrl-C, SIGTERM), if it raised one:
+    what a command ends with after it is that, whatever a library turned it into."""
+    return None if _Signals.raised is None else _interrupt(_Signals.raised)
 
 
 def _in_main_thread() -> bool:
@@ -75,7 +83,8 @@ def critical() -> Iterator[None]:
     finally:
         _Signals.critical -= 1
     if not _Signals.critical and _Signals.pending and not _Signals.finished:
-        raise _interrupt(_Signals.pending.pop(0))
+        _Signals.raised = _Signals.pending.pop(0)
+        raise _interrupt(_Signals.raised)
 
 
 def finished() -> None:
@@ -181,7 +190,7 @@ def guarded() -> Iterator[None]:
 
 def _reset(installed: bool) -> None:
     _Signals.installed, _Signals.critical, _Signals.finished = installed, 0, False
-    _Signals.pending = []
+    _Signals.pending, _Signals.raised = [], None
 
 
 def _install() -> dict[int, Any]:
