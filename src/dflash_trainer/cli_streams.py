@@ -8,7 +8,8 @@ that went away, and a terminal that cannot show every character.
 - a command past its point of no return (`finished()`: its outputs are in place, only its
   shutdown is left: releasing its locks, removing temporaries, printing its summary, the
   interpreter's exit) is not turned into a failure by SIGINT or SIGTERM: the signal is noted,
-  said, and the command ends with its own status (a second one still stops it at once).
+  said, and the command ends with its own status (a second one still stops it at once); the
+  same once main() has returned and the interpreter exits (`exiting()`).
   Steps that must not be cut in half (swapping a directory into place, releasing a lock) run
   in `critical()`: a signal that comes meanwhile takes effect when the step is done.
 - stdout or stderr is a pipe whose reader is gone (`dflash ... | head -c1`): printing fails
@@ -94,11 +95,14 @@ def finished() -> None:
 
 
 def exiting(status: int) -> None:
-    """The command returned `status` and the interpreter exits: a signal now ends it at once
-    with that status (flushing what was printed), instead of a traceback or a kill by the
-    signal halfway through the interpreter's own cleanup."""
+    """The command returned `status` and the interpreter exits: a signal now is not a
+    traceback halfway through the exit callbacks (which stop servers, join helper processes):
+    the first is ignored, a second ends the process at once with that status."""
 
     def leave(signum: int, frame: Any) -> None:
+        _Signals.pending.append(signum)
+        if len(_Signals.pending) < 2:
+            return
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
