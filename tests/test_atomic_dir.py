@@ -313,3 +313,20 @@ def test_bare_temps_of_dead_writers_are_removed_and_nothing_with_content(tmp_pat
     assert sorted(remove_stale(tmp_path, log=said.append)) == sorted([empty, cut, file_stage])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, full.name])
     assert (full / "theirs.bin").exists() and (other / MARKER).exists()
+
+
+def test_a_file_of_the_longest_name_is_written_on_a_host_of_the_longest_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary of a 255-byte file name stays within 255 bytes with a 64-byte host name
+    (a Kubernetes pod's) and a 7-digit pid; a missing directory is not created."""
+    from dflash_trainer.atomic_dir import write_file_atomic
+
+    monkeypatch.setattr("socket.gethostname", lambda: "h" * 64)
+    final = tmp_path / ("n" * 255)
+    assert len(_named(tmp_path, final.name, 4194304).name) <= 255 - len(".0123abcd")
+    write_file_atomic(final, "x")
+    assert final.read_text() == "x" and os.listdir(tmp_path) == [final.name]
+    with pytest.raises(DFlashError, match="No such file or directory"):
+        write_file_atomic(tmp_path / "missing" / "r.json", "x")
+    assert os.listdir(tmp_path) == [final.name]

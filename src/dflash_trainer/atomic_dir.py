@@ -76,9 +76,10 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 
 
-_LONG_NAME = 160
+_LONG_NAME = 150
 """Bytes of a name kept whole in a temporary name; a longer one is cut and hashed, so that the
-temporary name stays within the file system's 255 bytes whenever the final name does."""
+temporary name stays within the file system's 255 bytes whenever the final name does (the
+longest, a file's `.<name>.tmp.<8>-<host>-<pid>`, with a 64-byte host and a 7-digit pid)."""
 
 
 def short_name(name: str) -> str:
@@ -259,7 +260,7 @@ def atomic_directory(
             f"{tmp} is in the way of writing {final} and is not known to be a temporary "
             "directory of this tool (no marker); move it away or delete it"
         )
-    _make_temp_dir(tmp, final)
+    _make_temp_dir(tmp, final, parents=True)
     try:
         yield tmp
         (tmp / MARKER).unlink()  # published outputs never hold it
@@ -357,14 +358,15 @@ def staged_file(final: Path) -> Iterator[Path]:
         _ACTIVE.discard(stage)
 
 
-def _make_temp_dir(tmp: Path, final: Path) -> None:
-    """Create the temporary directory `tmp` (for writing `final`) holding this tool's marker.
-    It is known to be this process's before it exists: a sweep by another thread (the
-    checkpointer's) never takes it, empty, for a dead writer's."""
+def _make_temp_dir(tmp: Path, final: Path, parents: bool = False) -> None:
+    """Create the temporary directory `tmp` (for writing `final`; its parents too with
+    `parents`) holding this tool's marker. It is known to be this process's before it exists:
+    a sweep by another thread (the checkpointer's) never takes it, empty, for a dead writer's."""
     _ACTIVE.add(tmp)
     made = False
     try:
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        if parents:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         made = True
         _write_marker(tmp)
