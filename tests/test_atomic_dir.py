@@ -267,6 +267,7 @@ def test_only_marked_temporaries_of_this_tool_are_ever_removed(tmp_path: Path) -
     assert any(f"left {unmarked} alone" in s and "marker" in s for s in said), said
     # A look-alike in the way of a write is an error, not a deletion.
     (tmp_path / temp_name("out")).mkdir()
+    (tmp_path / temp_name("out") / "theirs.bin").write_bytes(b"x")
     with (
         pytest.raises(DFlashError, match="not known to be a temporary directory"),
         atomic_directory(tmp_path / "out"),
@@ -280,3 +281,52 @@ def test_outputs_never_hold_the_marker(tmp_path: Path) -> None:
         assert (tmp / MARKER).is_file()
         (tmp / "a").write_text("1")
     assert os.listdir(tmp_path / "out") == ["a"]
+
+
+def test_bare_temps_of_dead_writers_are_removed_and_nothing_with_content(tmp_path: Path) -> None:
+    """A writer killed between creating its temporary directory and finishing its marker
+    leaves it empty or with a marker cut short: removed. One with a whole marker naming
+    another writer, or with anything else in it, is kept."""
+    dead_pid = _dead_pid()
+    empty = _named(tmp_path, "out", dead_pid)
+    empty.mkdir()
+    cut = _named(tmp_path, "two", dead_pid)
+    cut.mkdir()
+    (cut / MARKER).write_text('{"tool": "dflash-tr')
+    file_stage = _named(tmp_path, "r.json", dead_pid).with_name(
+        _named(tmp_path, "r.json", dead_pid).name.replace(".tmp-", ".tmp.0123abcd-")
+    )
+    file_stage.mkdir()  # what write_file_atomic's writer left: its marker and the bytes
+    host = file_stage.name.rsplit("-", 2)[1]
+    (file_stage / MARKER).write_text(
+        json.dumps({"tool": "dflash-trainer", "host": host, "pid": dead_pid})
+    )
+    (file_stage / "content").write_text("half a report")
+    other = _named(tmp_path, "three", dead_pid)
+    other.mkdir()
+    (other / MARKER).write_text(json.dumps({"tool": "dflash-trainer", "host": "h", "pid": 1}))
+    full = _named(tmp_path, "four", dead_pid)
+    full.mkdir()
+    (full / MARKER).write_text("not json")
+    (full / "theirs.bin").write_bytes(b"x")
+    said: list[str] = []
+    assert sorted(remove_stale(tmp_path, log=said.append)) == sorted([empty, cut, file_stage])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([other.name, full.name])
+    assert (full / "theirs.bin").exists() and (other / MARKER).exists()
+
+
+def test_a_file_of_the_longest_name_is_written_on_a_host_of_the_longest_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary of a 255-byte file name stays within 255 bytes with a 64-byte host name
+    (a Kubernetes pod's) and a 7-digit pid; a missing directory is not created."""
+    from dflash_trainer.atomic_dir import write_file_atomic
+
+    monkeypatch.setattr("socket.gethostname", lambda: "h" * 64)
+    final = tmp_path / ("n" * 255)
+    assert len(_named(tmp_path, final.name, 4194304).name) <= 255 - len(".0123abcd")
+    write_file_atomic(final, "x")
+    assert final.read_text() == "x" and os.listdir(tmp_path) == [final.name]
+    with pytest.raises(DFlashError, match="No such file or directory"):
+        write_file_atomic(tmp_path / "missing" / "r.json", "x")
+    assert os.listdir(tmp_path) == [final.name]

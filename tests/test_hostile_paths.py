@@ -18,6 +18,7 @@ What each test holds, found by trying them as a careless or hostile user would:
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -27,8 +28,9 @@ import pytest
 from fuzz_support import go_offline, time_limit
 from hostile_support import World, build_world, dflash, eval_args, report_ok, tree
 
-from dflash_trainer.cli import main
+from dflash_trainer.cli import COMMANDS, _build_parser, main
 from dflash_trainer.cli_errors import INTERNAL_ERROR, USER_ERROR
+from dflash_trainer.cli_paths import path, path_obj, text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -272,3 +274,64 @@ def test_a_reader_that_went_away_does_not_stop_the_command(world: World, tmp_pat
     assert done.returncode == 0 and "Broken pipe" not in done.stderr, done.stderr
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
         "drafter.safetensors", "meta.json", "spec.json"]  # fmt: skip
+
+
+STRING_TYPES = (None, str, Path, path, path_obj, text)
+
+
+def _string_flags() -> dict[str, argparse.Action]:
+    """Every flag and positional of every command in the registry that takes a string (not a
+    number, not a choice), by `COMMAND [SUBCOMMAND] FLAG`."""
+    found: dict[str, argparse.Action] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*words, name])
+            elif action.nargs != 0 and not action.choices and action.type in STRING_TYPES:
+                name = action.option_strings[-1] if action.option_strings else action.dest
+                found[" ".join([*words, name])] = action
+
+    for command in COMMANDS:
+        for action in _build_parser(command)._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                walk(action.choices[command], [command])
+    return found
+
+
+STRING_FLAGS = _string_flags()
+
+
+@pytest.mark.parametrize("flag", sorted(STRING_FLAGS))
+def test_every_path_flag_expands_home_alike(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--out=~/x` (no shell expands it) means the same as `--out ~/x`, for every flag that
+    takes a path; free text (`type=text`) is kept as written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    action = STRING_FLAGS[flag]
+    assert action.type is not None, f"{flag}: argparse would keep a literal ~"
+    got = action.type("~/x")
+    if action.type is text:
+        assert got == "~/x"
+    else:
+        assert os.fspath(got) == str(tmp_path / "x"), flag
+
+
+def test_home_in_input_and_output_flags_reaches_the_command(
+    world: World, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """`data prepare --input=~/... --tokenizer=~/... --out=~/...`: what no shell expanded is
+    read and written under HOME, and no directory named `~` appears."""
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(world.conversations, home / "in.jsonl")
+    shutil.copytree(world.target, home / "target")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    rc, err = _run(["data", "prepare", "--input=~/in.jsonl", "--tokenizer=~/target",
+                    "--out=~/prep", "--eval-fraction", "0"], capsys)  # fmt: skip
+    assert rc == 0, err
+    assert (home / "prep" / "manifest.json").is_file()
+    assert not (tmp_path / "~").exists()

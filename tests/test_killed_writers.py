@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import io
+import json
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 from fuzz_support import go_offline
-from hostile_support import SRC, World, build_world, eval_args, tree
+from hostile_support import SRC, World, build_world, eval_args, report_ok, tree
 
 from dflash_trainer.cli import main
 from dflash_trainer.cli_errors import TERMINATED, USER_ERROR
@@ -49,7 +50,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     go_offline(monkeypatch)
 
 
-_TEMP = re.compile(r"^\..+\.tmp(-[A-Za-z0-9_.]+-\d+)?$")  # a file: .NAME.RANDOM.tmp
+_TEMP = re.compile(r"^\..+\.(tmp|old)(\.[0-9a-f]{8})?-[A-Za-z0-9_.]+-\d+$")  # atomic_dir's names
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -238,3 +239,234 @@ def test_a_second_writer_of_an_output_is_refused_naming_the_first(
     assert rc == USER_ERROR and f"in use by `dflash holder` (process {holder.pid}" in err, err
     after = tree(tmp_path)
     assert {k: v for k, v in after.items() if "dflash-lock" not in k} == before
+
+
+KILLED_AT_WRITE = textwrap.dedent(
+    """
+    import os, sys, time
+    from dflash_trainer.cli import main
+
+    real_fsync = os.fsync
+    def paused_fsync(fd):  # the report's bytes are written, not yet renamed into place
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if "/.r.json." in name and ".tmp" in name:
+            print("writing", flush=True)
+            time.sleep(120)
+        real_fsync(fd)
+
+    os.fsync = paused_fsync
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_what_a_killed_file_writer_left_is_removed_by_the_next_one_and_nothing_else(
+    world: World, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """kill -9 while `eval --json` writes its report leaves its temporary and its lock; the
+    next eval of the same report removes both and writes it whole. Another program's
+    `.x.tmp` and `.r.json.tmp`, and the temporary of a writer still running, are kept."""
+    from dflash_trainer.atomic_dir import MARKER, temp_name
+
+    out = tmp_path / "r.json"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_WRITE)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = [*eval_args(world), "--json", str(out)]
+    proc = subprocess.Popen([sys.executable, str(script), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("killed.py", "r.json"))
+    assert len(left) == 2 and ".r.json.dflash-lock" in left, left  # its temporary, its lock
+    foreign = [tmp_path / ".x.tmp", tmp_path / ".r.json.tmp"]
+    for f in foreign:
+        f.write_text("another program's")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / temp_name("r.json").replace(".tmp-", ".tmp.0123abcd-").rsplit("-", 1)[0]
+        live = live.with_name(f"{live.name}-{sleeper.pid}")
+        live.mkdir()
+        host = live.name.rsplit("-", 2)[1]
+        (live / MARKER).write_text(
+            json.dumps({"tool": "dflash-trainer", "host": host, "pid": sleeper.pid})
+        )
+        (live / "content").write_text("being written")
+        capfd.readouterr()
+        assert main(argv) == 0
+        err = capfd.readouterr().err
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == sorted(["killed.py", "r.json", live.name, ".x.tmp", ".r.json.tmp"]), err
+        assert f"process {proc.pid} is gone" in err, err
+        assert report_ok(out)
+        assert (live / "content").read_text() == "being written"
+        assert all(f.read_text() == "another program's" for f in foreign)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+SLOW_SHUTDOWN = textwrap.dedent(
+    """
+    import atexit, sys, time
+    from dflash_trainer import cli_streams, dir_lock
+    from dflash_trainer.cli import main
+
+    stage = sys.argv.pop(1)
+    real_release = dir_lock.DirLock.release
+    def pause():
+        print("shutting down", flush=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not getattr(cli_streams, "_Signals", None):
+            time.sleep(0.05)  # (the code before the fix: the signal ends it here)
+        while time.monotonic() < deadline and not cli_streams._Signals.pending:
+            time.sleep(0.05)  # until the test's signal has come
+
+    def slow_release(self):  # the output's lock, released once the import is in place
+        if stage == "release":
+            pause()
+        real_release(self)
+
+    class Finalized:  # torch's teardown, say: after the exit callbacks, Python's handlers gone
+        def __del__(self):
+            print("shutting down", flush=True)
+            time.sleep(3)  # the test's signal comes now
+
+    dir_lock.DirLock.release = slow_release
+    if stage == "exit":
+        atexit.register(pause)  # the interpreter's exit, after main() returned
+    if stage == "teardown":
+        kept_until_teardown = Finalized()
+    sys.exit(main())
+    """
+)
+
+
+@pytest.mark.parametrize("stage", ["release", "exit", "teardown"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_shutdown_keeps_the_status_and_the_output(
+    world: World, tmp_path: Path, stage: str, signum: int
+) -> None:
+    """Ctrl-C or SIGTERM once `dflash import` has written its output (while it releases its
+    lock, while the interpreter runs its exit callbacks, or tears itself down) does not make
+    it a failure: exit 0, the output whole, the summary printed, no lock left."""
+    out = tmp_path / "d"
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SHUTDOWN)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = [sys.executable, str(script), stage, "import", str(world.export), "--out", str(out)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not lines or lines[-1] != "shutting down":
+            line = proc.stdout.readline()
+            assert line, f"ended before its shutdown: {lines}"
+            lines.append(line.strip())
+        proc.send_signal(signum)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    printed = "\n".join([*lines, rest])
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "Traceback" not in err and "interrupted" not in err and "terminated" not in err, err
+    assert f"wrote {out / 'spec.json'}" in printed, printed
+    if stage == "release":  # said, not silently swallowed
+        assert "came after the outputs were written" in err, err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "drafter.safetensors", "meta.json", "spec.json"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "slow.py"]  # no lock, no temp
+    assert main(["import", str(out)]) == 0  # what it wrote reads back
+
+
+SIGNAL_IN_SWAP = textwrap.dedent(
+    """
+    import os, signal, sys
+    import dflash_trainer.atomic_dir as atomic_dir
+    from dflash_trainer.cli import main
+
+    real = atomic_dir._write_marker
+    def marked_then_signalled(d):  # the previous directory is aside, the new one not yet in
+        real(d)
+        if ".old-" in d.name:
+            os.kill(os.getpid(), signal.{signal})
+    atomic_dir._write_marker = marked_then_signalled
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_directory_is_swapped_in_loses_neither(
+    world: World, tmp_path: Path, name: str
+) -> None:
+    """Between moving the previous prepared directory aside and the new one into place, the
+    output is missing: a signal there waits for the swap, so the new one is in place (the
+    command still stops: exit 130 / 143), never neither, and nothing is left beside it."""
+    out = tmp_path / "prep"
+    argv = ["data", "prepare", "--input", str(world.conversations), "--tokenizer",
+            str(world.target), "--out", str(out), "--eval-fraction", "0"]  # fmt: skip
+    assert main([*argv, "--max-records", "3"]) == 0
+    script = tmp_path / "swap.py"
+    script.write_text(SIGNAL_IN_SWAP.format(signal=name))
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script), *argv, "--overwrite"], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == (130 if name == "SIGINT" else TERMINATED), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prep", "swap.py"]
+    assert len(PreparedDataset(out)) == 6  # the new one, whole
+    assert main([*argv, "--overwrite"]) == 0
+
+
+WRAPPED_INTERRUPT = textwrap.dedent(
+    """
+    import sys, time
+    import dflash_trainer.formats.export as export
+    from dflash_trainer.cli import main
+
+    def reading(*args, **kwargs):  # as transformers' lazy imports do with a Ctrl-C in them
+        try:
+            print("reading", flush=True)
+            time.sleep(30)
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from None
+    export.import_drafter = reading
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_a_library_turned_into_its_own_error_is_still_an_interrupt(
+    world: World, tmp_path: Path, name: str
+) -> None:
+    """Ctrl-C inside a library that catches it and raises an error of its own is reported
+    as the interruption it was (exit 130 / 143), not as a problem with the input."""
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPED_INTERRUPT)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1"}
+    argv = ["import", str(world.export), "--out", str(tmp_path / "d")]
+    proc = subprocess.Popen([sys.executable, str(script), *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+        proc.send_signal(getattr(signal, name))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    says = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted"
+    assert proc.returncode == (TERMINATED if name == "SIGTERM" else 130), err
+    assert f"dflash import: {says}" in err and "error" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wrapped.py"]

@@ -236,6 +236,36 @@ def test_init_records_a_drafter_trained_before_lineages(chain: Chain, tmp_path: 
     assert main(["lineage", "verify", str(d)]) == 0
 
 
+def test_init_rerun_with_the_same_arguments_is_a_no_op_and_other_ones_are_refused(
+    chain: Chain, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    d = tmp_path / "published"
+    shutil.copytree(chain.export, d, ignore=shutil.ignore_patterns("lineage*"))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [conversation(i) for i in range(3)])
+    argv = ["lineage", "init", str(d), "--prompts", str(prompts), "--steps", "7"]
+    assert main([*argv, "--note", "from the training log"]) == 0
+    files = {p.name: p.read_bytes() for p in d.glob("lineage*")}
+    capsys.readouterr()
+    assert main([*argv, "--note", "from the training log"]) == 0  # a script run twice
+    out, err = capsys.readouterr()
+    assert "already records this training; nothing to do" in out, out + err
+    assert {p.name: p.read_bytes() for p in d.glob("lineage*")} == files  # not rewritten
+    for other, says in (
+        (["--steps", "8", "--note", "from the training log"], "steps"),
+        (["--steps", "7", "--note", "a guess"], "data.note"),
+    ):
+        assert main([*argv[:-2], *other]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "already has a lineage.json that records other training" in err, err
+        assert f"({says} differ from these arguments)" in err, err
+    extra = write_jsonl(tmp_path / "q.jsonl", [conversation(i) for i in range(4)])
+    assert main([*argv, "--prompts", str(extra), "--note", "from the training log"]) == 2
+    assert "data.prompt_files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in d.glob("lineage*")} == files
+
+
 def test_add_eval_reads_only_regular_reports_of_finite_numbers(
     chain: Chain, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,35 +13,42 @@ that this tool made it: `remove_stale` (called on entry, and by the checkpointer
 directory) removes those whose process is gone on this host, saying so, and leaves alone,
 saying so, those of another host (a shared file system: that process may still be writing). A
 process id that a new process reuses after a restart is also taken as gone unless this process
-is writing that directory right now. A directory with a name like ours but no matching marker
-(another program's, or one copied by hand) is never deleted: it is named, and left to the user.
+is writing that directory right now. One holding nothing, or only a marker cut short (a writer
+killed while creating it), is removed too: there is nothing in it to lose. A directory with a
+name like ours and anything else in it but no matching marker (another program's, or one copied
+by hand) is never deleted: it is named, and left to the user. `write_file_atomic` writes each
+file in a marked temporary directory of its own, so what a killed writer of a file leaves is
+known to be ours the same way, and removed by the next write of that file.
 The marker is taken out of the temporary directory just before it is published, so outputs never
 hold it; a `.old-` directory gets one as soon as it has been moved aside.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.cli_streams import critical
 from dflash_trainer.errors import DFlashError
 
 Log = Callable[[str], None]
 
-# `.<name>.tmp-<host>-<pid>` or `.<name>.old-<host>-<pid>`; the host has no `-` (see _host).
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$")
+# `.<name>.tmp-<host>-<pid>` or `.<name>.old-<host>-<pid>` (a directory written or replaced),
+# `.<name>.tmp.<8 hex>-<host>-<pid>` (a file written); the host has no `-` (see _host).
+_TEMP = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)(?:\.[0-9a-f]{8})?-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)$"
+)
 MARKER = ".dflash-temp.json"
 """Inside every temporary directory this tool makes: {"tool", "host", "pid"} of its writer."""
 _TOOL = "dflash-trainer"
@@ -69,9 +76,10 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 
 
-_LONG_NAME = 160
+_LONG_NAME = 150
 """Bytes of a name kept whole in a temporary name; a longer one is cut and hashed, so that the
-temporary name stays within the file system's 255 bytes whenever the final name does."""
+temporary name stays within the file system's 255 bytes whenever the final name does (the
+longest, a file's `.<name>.tmp.<8>-<host>-<pid>`, with a 64-byte host and a 7-digit pid)."""
 
 
 def short_name(name: str) -> str:
@@ -105,6 +113,29 @@ def _marked(d: Path, host: str, pid: int) -> bool:
     return isinstance(data, dict) and data == {"tool": _TOOL, "host": host, "pid": pid}
 
 
+def _remove_if_bare(d: Path) -> bool:
+    """Remove `d` if it holds nothing, or only a marker cut short (not JSON): what a writer
+    killed between creating the directory and finishing its marker leaves. Nothing else is
+    in it, so nothing of anyone's is lost; rmdir itself refuses once anything appears."""
+    marker = d / MARKER
+    try:
+        names = os.listdir(d)
+        if names == [MARKER]:
+            if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 4096:
+                return False
+            try:
+                json.loads(marker.read_bytes())
+                return False  # a whole marker naming another writer: not known to be ours
+            except ValueError:
+                marker.unlink()
+        elif names:
+            return False
+        os.rmdir(d)
+    except OSError:
+        return False
+    return True
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -120,8 +151,10 @@ def _alive(pid: int) -> bool:
 def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> list[Path]:
     """Remove the temporary directories of writers that were killed (of `name`, or any name).
 
-    Returns the removed paths. Only directories named by `temp_name` and holding this tool's
-    marker (naming the same host and process) are removed; a look-alike is named and kept.
+    Returns the removed paths. Only directories named by `temp_name` (or `write_file_atomic`)
+    whose writer is gone on this host are removed, and only when they hold this tool's marker
+    naming that writer, or nothing but a marker cut short, or nothing at all; a look-alike
+    holding anything else is named and kept.
     """
     removed: list[Path] = []
     try:
@@ -142,12 +175,13 @@ def remove_stale(parent: Path, name: str | None = None, log: Log = _stderr) -> l
             continue
         if pid != os.getpid() and _alive(pid):
             continue  # another writer on this host, at work right now
-        if not _marked(path, m["host"], pid):
+        if _marked(path, m["host"], pid):
+            shutil.rmtree(path, ignore_errors=True)
+        elif not _remove_if_bare(path):
             log(f"left {path} alone: named like a temporary directory of this tool but without "
                 f"its marker ({MARKER}), so not known to be one; delete it yourself if it is "
                 "not needed")  # fmt: skip
             continue
-        shutil.rmtree(path, ignore_errors=True)
         what = "an interrupted write" if m["kind"] == "tmp" else "an interrupted replacement"
         log(f"removed {path}, left by {what} (process {pid} is gone)")
         removed.append(path)
@@ -221,18 +255,12 @@ def atomic_directory(
     parent = final.parent
     remove_stale(parent, final.name, log)
     tmp = parent / temp_name(final.name)
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists() or tmp.is_symlink():  # kept by remove_stale: not known to be ours
-            raise DFlashError(
-                f"{tmp} is in the way of writing {final} and is not known to be a temporary "
-                "directory of this tool (no marker); move it away or delete it"
-            )
-        tmp.mkdir()
-        _write_marker(tmp)
-    except OSError as e:
-        raise DFlashError(f"cannot create {tmp} to write {final}: {e.strerror or e}") from e
-    _ACTIVE.add(tmp)
+    if tmp.exists() or tmp.is_symlink():  # kept by remove_stale: not known to be ours
+        raise DFlashError(
+            f"{tmp} is in the way of writing {final} and is not known to be a temporary "
+            "directory of this tool (no marker); move it away or delete it"
+        )
+    _make_temp_dir(tmp, final, parents=True)
     try:
         yield tmp
         (tmp / MARKER).unlink()  # published outputs never hold it
@@ -245,6 +273,13 @@ def atomic_directory(
 
 
 def _publish(tmp: Path, final: Path, replace: bool) -> None:
+    # Between moving the previous directory aside and the new one into place, `final` is
+    # missing: Ctrl-C or SIGTERM there would leave neither. They wait until it is done.
+    with critical():
+        _swap(tmp, final, replace)
+
+
+def _swap(tmp: Path, final: Path, replace: bool) -> None:
     old = None
     if final.exists() or final.is_symlink():
         if not replace and not (final.is_dir() and not any(final.iterdir())):
@@ -280,12 +315,14 @@ def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
     quoted in it whose bytes are not UTF-8 is written escaped, `\\udcff`, so the file stays
     UTF-8 that its readers can read).
 
-    The bytes go to a new temporary sibling (created exclusively, so never through a link or
-    over another file; named after `path`, cut short for a long name), are fsynced and renamed
-    over `path`: a reader sees the previous file or the new one, never part of one. Any failure
-    (a full disk, Ctrl-C, SIGTERM through the CLI's handler) removes the temporary; only
-    SIGKILL or a lost machine can leave it, hidden, and never at `path`. A link at `path` is
-    replaced, never written through: the file it points to stays as it was.
+    The bytes go to a new file (created exclusively, so never through a link or over another
+    file) in a new temporary sibling directory (`.<name>.tmp.<random>-<host>-<pid>`, holding
+    the marker of this tool, like `atomic_directory`'s), are fsynced and renamed over `path`:
+    a reader sees the previous file or the new one, never part of one. Any failure (a full
+    disk, Ctrl-C, SIGTERM through the CLI's handler) removes the temporary; only SIGKILL or a
+    lost machine can leave it, hidden, and never at `path`: the next write of `path` removes
+    it once its process is gone (`remove_stale`). A link at `path` is replaced, never written
+    through: the file it points to stays as it was.
     """
     final = Path(path)
     if not final.name or final.name in (".", ".."):
@@ -293,21 +330,68 @@ def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
     if final.is_dir():
         raise DFlashError(f"{final} is a directory; give the name of a file to write")
     raw = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
-    prefix = f".{short_name(final.name)}."
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=prefix, suffix=".tmp")
-    try:
+    with staged_file(final) as content:
+        # Created here, exclusively, never through a link; its mode follows the umask.
+        fd = os.open(content, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp's 0600: the file follows the umask
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        os.replace(content, final)
     fsync_path(final.parent)
     return final
+
+
+@contextmanager
+def staged_file(final: Path) -> Iterator[Path]:
+    """A new path to write the next bytes of the file `final` to, for a writer that streams
+    them (`write_file_atomic` for bytes at hand): it lies in a marked temporary directory of
+    its own beside `final`, removed on the way out of the block, so the caller renames it over
+    `final` (os.replace) inside the block once it is written and fsynced. What a killed
+    writer of `final` left is removed first."""
+    remove_stale(final.parent, final.name)
+    stage = _file_stage(final)
+    try:
+        yield stage / "content"
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # the marker (and the bytes, on a failure)
+        _ACTIVE.discard(stage)
+
+
+def _make_temp_dir(tmp: Path, final: Path, parents: bool = False) -> None:
+    """Create the temporary directory `tmp` (for writing `final`; its parents too with
+    `parents`) holding this tool's marker. It is known to be this process's before it exists:
+    a sweep by another thread (the checkpointer's) never takes it, empty, for a dead writer's."""
+    _ACTIVE.add(tmp)
+    made = False
+    try:
+        if parents:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        made = True
+        _write_marker(tmp)
+    except BaseException as e:
+        _ACTIVE.discard(tmp)
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, FileExistsError) or not isinstance(e, OSError):
+            raise
+        raise DFlashError(f"cannot create {tmp} to write {final}: {e.strerror or e}") from e
+
+
+def _file_stage(final: Path) -> Path:
+    """A new marked temporary directory beside `final` for `write_file_atomic`: named after
+    `final`, this process and a random part (several threads may write one name)."""
+    base = temp_name(final.name)
+    head, _, tail = base.partition(f".tmp-{_host()}-")
+    for _ in range(100):
+        stage = final.parent / f"{head}.tmp.{secrets.token_hex(4)}-{_host()}-{tail}"
+        try:
+            _make_temp_dir(stage, final)
+            return stage
+        except FileExistsError:
+            continue
+    raise DFlashError(f"cannot create a temporary directory beside {final}: names all taken")
 
 
 def save_png(fig: Any, path: str | Path, dpi: int = 120) -> Path:

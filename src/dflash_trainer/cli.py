@@ -1,7 +1,9 @@
 """`dflash <command>`: one entry point, each command implemented in its own module.
 
 Only the chosen command's module is imported, so `dflash --help` stays fast and a
-broken optional dependency of one command never breaks the others.
+broken optional dependency of one command never breaks the others. The rest of the project
+is imported inside the error boundary too: Ctrl-C while `dflash` starts is one line, not a
+traceback (only the few standard modules imported here come before it).
 """
 
 from __future__ import annotations
@@ -13,10 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash_trainer import __version__
-from dflash_trainer.cli_errors import debug_requested, report
-from dflash_trainer.cli_streams import guarded
-from dflash_trainer.config_cli import in_command_line_order
-from dflash_trainer.target.configs import remote_code_granted
+from dflash_trainer.cli_streams import exiting, finished, guarded, interruption
 
 
 @dataclass(frozen=True)
@@ -63,6 +62,8 @@ COMMANDS: dict[str, Command] = {
 
 
 def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+    from dflash_trainer.cli_paths import expand_home
+
     parser = argparse.ArgumentParser(
         prog="dflash",
         description="Train DFlash speculative-decoding drafters and prove they work.",
@@ -81,6 +82,7 @@ def _build_parser(selected: str | None) -> argparse.ArgumentParser:
             module = importlib.import_module(cmd.module)
             getattr(module, cmd.add_arguments)(p)
             p.set_defaults(_run=getattr(module, cmd.run))
+            expand_home(p)  # `~` in every path flag alike (cli_paths.py)
     return parser
 
 
@@ -97,6 +99,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         # every later check then misreads: refused here, for every flag at once.
         if flag.startswith("--") and eq and value == "--":
             parser.error(f"{flag}=--: give {flag} a value ('--' only ends the options)")
+    from dflash_trainer.config_cli import in_command_line_order
+
     args, extra = parser.parse_known_args(argv)
     if not hasattr(args, "overrides"):
         if extra:
@@ -110,15 +114,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """`dflash ARGV` (sys.argv when None: the program itself, which then also guards its exit)."""
+    status = _main(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        exiting(status)  # a signal during the interpreter's exit keeps the status (cli_streams)
+    return status
+
+
+def _main(argv: list[str]) -> int:
     # --debug is global and may stand anywhere before a `--`: taken out before parsing.
     end = argv.index("--") if "--" in argv else len(argv)
-    debug = debug_requested("--debug" in argv[:end])
+    debug = "--debug" in argv[:end]
     argv = [a for i, a in enumerate(argv) if i >= end or a != "--debug"]
     selected = next((a for a in argv if not a.startswith("-")), None)
     command = selected if selected in COMMANDS else "(no command)"
-    with guarded():  # SIGTERM, a closed output pipe, an unprintable character (cli_streams.py)
+    with guarded():  # signals, a closed output pipe, an unprintable character (cli_streams.py)
         try:
+            from dflash_trainer.target.configs import remote_code_granted
+
             parser = _build_parser(selected if selected in COMMANDS else None)
             args = _parse(parser, argv)
             if args.command is None:
@@ -127,9 +140,16 @@ def main(argv: list[str] | None = None) -> int:
             run: Callable[[argparse.Namespace], int] = args._run
             # Repository code of a target runs only when the command line says so.
             with remote_code_granted(bool(getattr(args, "trust_remote_code", False))):
-                return int(run(args) or 0)
+                status = int(run(args) or 0)
+            finished()  # the command is done: a signal from here on does not fail it
+            return status
         except (Exception, KeyboardInterrupt) as e:  # the one error boundary (cli_errors.py);
-            return report(command, e, debug)  # SystemExit (argparse, --help) passes through
+            from dflash_trainer.cli_errors import debug_requested, report
+
+            # Whatever a Ctrl-C / SIGTERM raised into turned into (a library may wrap it in
+            # its own error), the command was interrupted, and is reported so.
+            return report(command, interruption() or e, debug_requested(debug))
+        # SystemExit (argparse, --help) passes through
 
 
 if __name__ == "__main__":

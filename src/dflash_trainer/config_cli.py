@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from dflash_trainer.cli_paths import text
 from dflash_trainer.config import Config, ConfigError, load_config
 
 OVERRIDE_HELP = "dotted override section.field=value, e.g. training.lr=3e-4"
@@ -36,19 +37,27 @@ class _Overrides(argparse.Action):
 
 def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = False) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--recipe", metavar="NAME", help="a bundled recipe, e.g. smollm2-135m-demo")
+    src.add_argument(
+        "--recipe", metavar="NAME", type=text, help="a bundled recipe, e.g. smollm2-135m-demo"
+    )
     src.add_argument("--config", metavar="FILE", help="a YAML config file")
     if resume:
         src.add_argument(
             "--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint"
         )
     p.add_argument(
-        "overrides", nargs="*", action=_Overrides, metavar="KEY=VALUE", help=OVERRIDE_HELP
+        "overrides",
+        nargs="*",
+        action=_Overrides,
+        type=text,
+        metavar="KEY=VALUE",
+        help=OVERRIDE_HELP,
     )
     p.add_argument(
         "--set",
         dest="overrides",
         action=_Overrides,
+        type=text,
         metavar="KEY=VALUE",
         help="the same as a positional override (repeatable)",
     )

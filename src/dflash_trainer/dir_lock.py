@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.atomic_dir import short_name
+from dflash_trainer.cli_streams import critical, finished
 from dflash_trainer.errors import DFlashError
 
 Log = Callable[[str], None]
@@ -90,12 +91,13 @@ class DirLock:
         held.count -= 1
         if held.count > 0:
             return
-        del _HELD[key]
-        try:
-            self.path.unlink()  # while still holding it: a waiter re-checks the inode
-        except OSError:
-            pass
-        os.close(held.fd)
+        with critical():  # never the file gone but still held, or the count without the file
+            del _HELD[key]
+            try:
+                self.path.unlink()  # while still holding it: a waiter re-checks the inode
+            except OSError:
+                pass
+            os.close(held.fd)
 
 
 def run_lock_path(run_dir: str | Path) -> Path:
@@ -169,10 +171,16 @@ def acquire_output(out: str | Path, command: str, what: str, log: Log = _stderr)
 
 @contextmanager
 def output_locked(out: str | Path, command: str, what: str, log: Log = _stderr) -> Iterator[None]:
-    """`acquire_output` for the body of a `with`, released however it ends."""
+    """`acquire_output` for the body of a `with`, released however it ends.
+
+    The outermost lock of a command spans all of its work (outputs.py), so when its body
+    returns the command's outputs are in place: what is left (releasing it, the summary) is
+    shutdown, past the point of no return (cli_streams.finished)."""
     lock = acquire_output(out, command, what, log)
     try:
         yield
+        if list(_HELD) == [str(lock.path)] and _HELD[str(lock.path)].count == 1:
+            finished()
     finally:
         lock.release()
 

@@ -11,7 +11,10 @@ Every command that writes a file or a directory the user names goes through here
 - `writing`: the output is locked (dir_lock.py: a sibling lock file, released however the
   process ends) for as long as the command writes it, so a second command on the same output
   is refused naming the first, instead of both interleaving their records or one losing the
-  other's update.
+  other's update. A command's outermost lock spans all of its work (a command that writes an
+  output along the way, like serve-check's export, holds its own report's lock around it): so
+  when that body returns, the outputs are in place and the rest is shutdown, which a signal no
+  longer turns into a failure (dir_lock.output_locked, cli_streams.finished).
 """
 
 from __future__ import annotations

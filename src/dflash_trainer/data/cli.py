@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer import cli_numbers as num
+from dflash_trainer.cli_paths import text  # free text, kept as given (no ~ expansion)
 from dflash_trainer.data import prompts_cli
 from dflash_trainer.data.formats import FORMATS
 from dflash_trainer.data.loop_tails import LOOP_TAILS
@@ -387,8 +388,8 @@ def _add_synthesize(sub: Any) -> None:
     y.add_argument(
         "--n", type=num.count(1, 10**9), required=True, help="prompts to sample (items 0..N-1)"
     )
-    y.add_argument("--system", help="system prompt (default: the template's own)")
-    y.add_argument("--topics", help="comma-separated topic hints, e.g. math,code,chat,writing")
+    y.add_argument("--system", type=text, help="system prompt (default: the template's own)")
+    y.add_argument("--topics", type=text, help="comma-separated hints, e.g. math,code,chat")
     y.add_argument("--temperature", type=num.temperature(), default=1.0)
     y.add_argument("--top-p", type=num.fraction(open_low=True), default=1.0)
     y.add_argument("--max-new-tokens", type=num.count(1, 1 << 20), default=256)

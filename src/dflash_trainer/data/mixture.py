@@ -18,6 +18,7 @@ never duplicate or drop records: `regenerate --max-records N` then takes a weigh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.atomic_dir import temp_name
+from dflash_trainer.atomic_dir import staged_file
 from dflash_trainer.config import ConfigError, SourceConfig, config_from_dict, load_yaml
 from dflash_trainer.data.decontam import RULES, EvalIndex
 from dflash_trainer.data.records import Conversation
@@ -185,9 +186,10 @@ def _all_turns_recorded(conv: Conversation, exclude: RecordedTurns) -> bool:
     return conv.id in exclude and not exclude.new_turns(conv.id, users)
 
 
-def _write_atomic(path: Path, lines: Iterator[str]) -> Path:
-    """Write to a temporary sibling; the caller renames it into place."""
-    tmp = path.with_name(temp_name(path.name))  # this process's name: atomic_dir.py
+def _write_staged(held: contextlib.ExitStack, path: Path, lines: Iterator[str]) -> Path:
+    """Write to a staged file of `path` (atomic_dir.staged_file, held until `held` closes);
+    the caller renames it into place."""
+    tmp = held.enter_context(staged_file(path))
     with open(tmp, "w", encoding="utf-8") as f:
         for line in lines:
             f.write(line)
@@ -228,30 +230,18 @@ def write_mixture(mix: Mixture, out: Path, meta: dict[str, Any]) -> None:
         "decontamination": mix.decontam,
         "sources": [r.to_dict() for r in mix.reports],
     }
-    temps: list[tuple[Path, Path]] = []
-    try:
-        temps.append(
-            (
-                _write_atomic(
-                    log_path, (json.dumps(d, ensure_ascii=True) + "\n" for d in mix.dropped)
-                ),
-                log_path,
-            )
-        )
-        temps.append(
-            (_write_atomic(counts_path, iter([json.dumps(sidecar, indent=1) + "\n"])), counts_path)
-        )
+    with contextlib.ExitStack() as held:  # the temporaries, removed however it ends
+        log = (json.dumps(d, ensure_ascii=True) + "\n" for d in mix.dropped)
+        temps = [(_write_staged(held, log_path, log), log_path)]
+        counts = iter([json.dumps(sidecar, indent=1) + "\n"])
+        temps.append((_write_staged(held, counts_path, counts), counts_path))
         rows = (
             json.dumps({"id": c.id, "messages": c.messages}, ensure_ascii=False) + "\n"
             for c in mix.conversations
         )
-        temps.append((_write_atomic(out, rows), out))
+        temps.append((_write_staged(held, out, rows), out))
         for tmp, final in temps:
             os.replace(tmp, final)
-    finally:
-        for tmp, _ in temps:
-            if tmp.exists():
-                tmp.unlink()
 
 
 def format_source_counts(sidecar: dict[str, Any]) -> str:

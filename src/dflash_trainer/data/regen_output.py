@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.atomic_dir import fsync_path, temp_name
+from dflash_trainer.atomic_dir import fsync_path, staged_file
 from dflash_trainer.data.append_log import append_line, complete_lines
 from dflash_trainer.data.records import Conversation
 from dflash_trainer.data.settings import GenerationSettings
@@ -110,17 +110,17 @@ def compact(out_path: Path) -> int:
             if line.strip():
                 last[_parse(line, out_path, lineno)[0]] = lineno
     keep = set(last.values())
-    tmp = out_path.with_name(temp_name(out_path.name))
     removed = 0
-    with open(out_path, "rb") as src, open(tmp, "wb") as dst:
-        for lineno, line in enumerate(src, 1):
-            if lineno in keep:
-                dst.write(line)
-            elif line.strip():
-                removed += 1
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, out_path)
+    with staged_file(out_path) as tmp:
+        with open(out_path, "rb") as src, open(tmp, "wb") as dst:
+            for lineno, line in enumerate(src, 1):
+                if lineno in keep:
+                    dst.write(line)
+                elif line.strip():
+                    removed += 1
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out_path)
     fsync_path(out_path.parent)
     return removed
 

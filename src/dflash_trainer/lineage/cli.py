@@ -18,10 +18,12 @@ from typing import Any
 
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.atomic_dir import write_file_atomic
+from dflash_trainer.cli_paths import text
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import (
     LINEAGE_FILE,
+    PROMPTS_FILE,
     append,
     check_describes,
     lineage_dir,
@@ -56,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = sub.add_parser("add-eval", help="attach evaluation reports to the last continuation")
     a.add_argument("dir")
     a.add_argument("reports", nargs="+", help="eval.json, a headline JSON or a comparison JSON")
-    a.add_argument("--name", help="the drafter's name in a side-by-side comparison JSON")
+    a.add_argument("--name", type=text, help="the drafter's name in a side-by-side comparison JSON")
     a.add_argument(
         "--continuation",
         type=num.integer(0),
@@ -78,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     i.add_argument("--supervised-tokens", type=num.integer(0))
     i.add_argument("--documents", type=num.integer(0))
-    i.add_argument("--note", default="", help="where the numbers come from")
+    i.add_argument("--note", default="", type=text, help="where the numbers come from")
     p.set_defaults(_lineage_parser=p)
 
 
@@ -209,8 +211,21 @@ def _init(args: argparse.Namespace) -> int:
 
 def _init_locked(args: argparse.Namespace) -> int:
     d = Path(args.dir)
-    if read_lineage(d) is not None:
-        raise DFlashError(f"{d}: already has a {LINEAGE_FILE}; `init` only starts a lineage")
+    existing = read_lineage(d)
+    lineage, all_prompts = _init_record(args, d)
+    if existing is not None:
+        # A rerun of the same `init` (a script run twice) is done already; other numbers
+        # would rewrite what the drafter is recorded to have trained on: refused.
+        _check_same_init(d, existing, read_prompts(d), lineage, all_prompts)
+        print(f"{d / LINEAGE_FILE}: already records this training; nothing to do")
+        return 0
+    write_lineage(d, lineage, all_prompts)
+    print(f"{d / LINEAGE_FILE}: started with {len(all_prompts[0]):,} recorded prompt ids")
+    return 0
+
+
+def _init_record(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], list[Any]]:
+    """The lineage `init` writes for `args`: one continuation, recorded after training."""
     h = drafter_weights_sha256(d)
     prompts: dict[str, TurnsValue] = {}
     for f in args.prompts:
@@ -242,6 +257,34 @@ def _init_locked(args: argparse.Namespace) -> int:
         "evals": [],
     }
     lineage, all_prompts = append(None, [], continuation, prompts if prompts else None)
-    write_lineage(d, lineage, all_prompts)
-    print(f"{d / LINEAGE_FILE}: started with {len(prompts):,} recorded prompt ids")
-    return 0
+    return json.loads(json.dumps(lineage)), all_prompts
+
+
+_NOT_COMPARED = ("date", "exports", "evals")
+"""What a rerun of `init` may find changed: when it ran, and what was attached since."""
+
+
+def _check_same_init(
+    d: Path, old: dict[str, Any], old_prompts: list[Any], new: dict[str, Any], prompts: list[Any]
+) -> None:
+    """Refuse unless the lineage at `d` starts with the continuation `new` records."""
+    first = old["continuations"][0] if old["continuations"] else {}
+    mine = new["continuations"][0]
+    differ = [
+        k for k in sorted({*first, *mine} - set(_NOT_COMPARED)) if first.get(k) != mine.get(k)
+    ]
+    if "data" in differ:
+        a, b = first.get("data") or {}, mine["data"]
+        differ[differ.index("data")] = ", ".join(
+            f"data.{k}" for k in sorted({*a, *b}) if a.get(k) != b.get(k)
+        )
+    if not differ and (old_prompts[:1] or [{}])[0] != prompts[0]:
+        differ = ["the prompt ids"]
+    if len(old["continuations"]) > 1:
+        differ.append(f"{len(old['continuations'])} continuations recorded there, 1 here")
+    if differ:
+        raise DFlashError(
+            f"{d}: already has a {LINEAGE_FILE} that records other training ({'; '.join(differ)}"
+            f" differ from these arguments); `init` only starts a lineage: give the same "
+            f"arguments, or remove {LINEAGE_FILE} and {PROMPTS_FILE} there to record it anew"
+        )

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer import cli_numbers as num
+from dflash_trainer.cli_paths import text
 from dflash_trainer.data.openai_client import OpenAIClient
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.serve.served import (
@@ -216,7 +217,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a vLLM server already serving the target with this drafter (e.g. "
         "http://host:8000/v1); default: start one here",
     )
-    p.add_argument("--model", help="with --base-url: the served model name (default: its only one)")
+    p.add_argument(
+        "--model", type=text, help="with --base-url: the served model name (default: its only one)"
+    )
     p.add_argument("--vllm-python", help="the vLLM virtualenv's python (default: .venv-vllm)")
     p.add_argument("--dtype", default="float32", help="target and drafter dtype on both sides")
     p.add_argument("--startup-timeout", type=num.positive(86400.0), default=900.0, help="seconds")
@@ -232,9 +235,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_trainer.eval.report import write_json
+    from dflash_trainer.outputs import output_file, writing
 
-    report = run_check(args)
-    write_json(report, args.out)  # atomic: a check cut short leaves the previous report
+    args.out = output_file(args.out, "--out")
+    # Held for the whole check, like eval's: one check writes a report at a time, and the
+    # export it serves (locked in turn) is not mistaken for the command's last output.
+    with writing(args.out, "dflash serve-check", f"the report {args.out}"):
+        report = run_check(args)
+        write_json(report, args.out)  # atomic: a check cut short leaves the previous report
     for label, s in report["sets"].items():
         print(
             f"{label}: vLLM tau {_num(s['vllm_tau'])}, dflash eval tau {_num(s['dflash_eval_tau'])}"
