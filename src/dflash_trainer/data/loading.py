@@ -17,7 +17,7 @@ from typing import Any
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.data.jsonio import HFDataset, require_datasets
 from dflash_trainer.errors import DFlashError, about
-from dflash_trainer.input_files import check_model_dir
+from dflash_trainer.model_dir_check import check_model_files
 
 
 def tokenizer_spec(tcfg: Any) -> str:
@@ -83,7 +83,7 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     where, gguf = split_spec(spec)
-    check_model_dir(where, f"tokenizer {spec}")
+    check_model_files(where, f"tokenizer {spec}")
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
@@ -115,7 +115,7 @@ def load_causal_lm(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
-    check_model_dir(where, f"model {spec}")
+    check_model_files(where, f"model {spec}")
     from dflash_trainer.formats.safetensors_check import check_model_weights
 
     check_model_weights(where)

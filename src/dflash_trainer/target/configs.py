@@ -19,7 +19,7 @@ from typing import Any
 from dflash_trainer.assets import resolve_source
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError, about
-from dflash_trainer.input_files import check_model_dir
+from dflash_trainer.model_dir_check import check_model_files, size_limit
 
 _QWEN36_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 16
 
@@ -162,7 +162,7 @@ def allow_remote_code(tcfg: TargetConfig) -> bool:
 
 def load_target_config(tcfg: TargetConfig) -> Any:
     """The target's (text) HF config, with `hf_config_overrides` applied; no weights loaded."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     trust = allow_remote_code(tcfg)
     name, gguf = target_source(tcfg)
@@ -175,7 +175,7 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 kw["gguf_file"] = gguf
             if tcfg.revision:
                 kw["revision"] = tcfg.revision
-            check_model_dir(name, "target.name_or_path")
+            check_model_files(name, "target.name_or_path")
             with about(f"the config of target.name_or_path={tcfg.name_or_path!r}"):
                 cfg = AutoConfig.from_pretrained(name, **kw)
         except (OSError, ValueError) as e:
@@ -185,6 +185,12 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 f"or one of the bundled hub ids {sorted(KNOWN_CONFIGS)}"
             ) from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not isinstance(text, PretrainedConfig):  # a config.json whose text_config is not a map
+        raise DFlashError(
+            f"target.name_or_path={tcfg.name_or_path!r}: its config's text part is "
+            f"{type(text).__name__} {text!r:.60}, not a model config; the config.json is "
+            "damaged: fix or replace it"
+        )
     apply_hf_overrides(text, tcfg.hf_config_overrides)
     return text
 
@@ -233,6 +239,9 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
         raise DFlashError(
             f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}"
         )
+    limit = size_limit(key)
+    if isinstance(value, int) and limit is not None and value > limit:
+        raise DFlashError(f"{where}: {cls}.{key} is {value:,}; no model has more than {limit:,}")
     return value
 
 
