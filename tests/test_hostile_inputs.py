@@ -194,3 +194,41 @@ def test_the_cpu_allocator_failing_is_out_of_memory(capsys: pytest.CaptureFixtur
         pytest.skip("this host allocated a petabyte")
     assert report("train", error, debug=False) == USER_ERROR
     assert "out of memory" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_target_context_is_refused(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny target holds 1024 positions; a prompt of ~6000 tokens is named, not decoded
+    past them (a hostile prompt of millions of tokens would prefill for hours)."""
+    prompts = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "hello world " * 3000}])
+    argv = ["eval", "--drafter", str(world["drafter"]), "--target", str(world["target"]),
+            "--prompts", str(prompts), "--max-samples", "1", "--max-new-tokens", "2",
+            "--device", "cpu", "--no-baseline", "--no-progress"]  # fmt: skip
+    assert "more than the target's context of 1,024" in _run(argv, capsys)
+
+
+def test_token_ids_outside_the_manifest_range_are_refused(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tokens.bin changed after preparation (its checksum recomputed): the ids checked
+    against the target's vocabulary are the manifest's range, so a document outside it is
+    an error naming the shard, not an embedding lookup past the vocabulary."""
+    import hashlib
+
+    import numpy as np
+
+    from dflash_trainer.data.shards import PreparedDataset
+
+    out = tmp_path / "p"
+    assert main([*_prepare(world, world["target"], out), "--eval-fraction", "0"]) == 0
+    tokens = out / "train-00000" / "tokens.bin"
+    ids = np.fromfile(tokens, dtype="<i4")
+    ids[:] = 100_000
+    ids.tofile(tokens)
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["splits"]["train"]["shards"][0]["files"]["tokens.bin"]
+    entry["sha256"] = hashlib.sha256(tokens.read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DFlashError, match="outside the range"):
+        PreparedDataset(out)[0]
