@@ -232,3 +232,19 @@ def test_token_ids_outside_the_manifest_range_are_refused(
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DFlashError, match="outside the range"):
         PreparedDataset(out)[0]
+
+
+def test_a_dtype_that_is_not_one_is_a_user_error(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dtype -1` was looked up as an attribute of torch (AttributeError: a bug report)."""
+    from dflash_trainer.data.loading import load_causal_lm
+
+    for dtype in ("-1", "nan", "__version__"):
+        with pytest.raises(DFlashError, match="--dtype"):
+            load_causal_lm(world["target"], dtype=dtype)
+    argv = ["data", "regenerate", "--input", str(world["convs"]), "--model", str(world["target"]),
+            "--out", str(tmp_path / "r.jsonl"), "--device", "cpu", "--dtype=-1"]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == USER_ERROR and "invalid choice" in capsys.readouterr().err

@@ -97,6 +97,9 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
         ) from e
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def load_causal_lm(
     spec: str | Path,
     device: str = "cpu",
@@ -110,8 +113,10 @@ def load_causal_lm(
     where, gguf = split_spec(spec)
     if dtype == "auto":
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
+    elif dtype in MODEL_DTYPES:
         torch_dtype = getattr(torch, dtype)
+    else:  # never getattr(torch, <any text>): `--dtype -1` is not torch's attribute to look up
+        raise DFlashError(f"--dtype {dtype!r}: give one of {['auto', *MODEL_DTYPES]}")
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
     if gguf is not None:
         kwargs["gguf_file"] = gguf

@@ -218,7 +218,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", help="with --base-url: the served model name (default: its only one)")
     p.add_argument("--vllm-python", help="the vLLM virtualenv's python (default: .venv-vllm)")
-    p.add_argument("--dtype", default="float32", help="target and drafter dtype on both sides")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="target and drafter dtype on both sides",
+    )
     p.add_argument("--startup-timeout", type=num.positive(86400.0), default=900.0, help="seconds")
     p.add_argument(
         "--kv-cache-gib",
