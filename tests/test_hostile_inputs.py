@@ -248,3 +248,19 @@ def test_a_dtype_that_is_not_one_is_a_user_error(
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == USER_ERROR and "invalid choice" in capsys.readouterr().err
+
+
+def test_device_names_and_candidates_are_checked_before_torch_meets_them(
+    world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--device=-1` and `--candidates` above the vocabulary were torch RuntimeErrors reported
+    as bugs."""
+    argv = ["eval", "--drafter", str(world["drafter"]), "--target", str(world["target"]),
+            "--prompts", str(world["prompts"]), "--max-samples", "1", "--max-new-tokens", "4",
+            "--no-baseline", "--no-progress"]  # fmt: skip
+    for device in ("-1", "nan", "１２", "cuda:x"):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, f"--device={device}"])
+        assert e.value.code == USER_ERROR and "--device" in capsys.readouterr().err
+    err = _run([*argv, "--device", "cpu", "--candidates", "1000"], capsys)
+    assert "more than the target's vocabulary" in err
