@@ -264,3 +264,28 @@ def test_device_names_and_candidates_are_checked_before_torch_meets_them(
         assert e.value.code == USER_ERROR and "--device" in capsys.readouterr().err
     err = _run([*argv, "--device", "cpu", "--candidates", "1000"], capsys)
     assert "more than the target's vocabulary" in err
+
+
+def test_no_credential_of_storage_options_is_written_by_a_run(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The final drafter's lineage.json held the whole config, credentials included."""
+    import yaml
+    from lineage_chain import base_config
+
+    prep = tmp_path / "prep"
+    assert main([*_prepare(world, world["target"], prep), "--eval-fraction", "0"]) == 0
+    cfg = base_config(tmp_path, world["target"], prep, tmp_path / "run")
+    cfg["training"].update(max_steps=1, checkpoint_every=1)
+    secrets = {"secret": "LEAKA1", "headers": ["Authorization: Bearer LEAKB2"],
+               "endpoint_url": "https://u:LEAKC3@example.invalid"}  # fmt: skip
+    cfg["run"]["storage_options"] = secrets
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--skip-doctor"]) == 0
+    out = capsys.readouterr()
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.name == "lineage.json" for p in written)
+    for p in written:
+        for leak in ("LEAKA1", "LEAKB2", "LEAKC3"):
+            assert leak.encode() not in p.read_bytes(), p
+            assert leak not in out.out + out.err
