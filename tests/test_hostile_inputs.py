@@ -289,3 +289,52 @@ def test_no_credential_of_storage_options_is_written_by_a_run(
         for leak in ("LEAKA1", "LEAKB2", "LEAKC3"):
             assert leak.encode() not in p.read_bytes(), p
             assert leak not in out.out + out.err
+
+
+def test_more_ranks_than_the_host_has_are_refused_before_torchrun(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train --gpus 1_000` started a thousand ranks on a two-core host: out of memory, every
+    process killed. The launcher is replaced by a failure, so a regression cannot start them."""
+
+    def launched(args: object) -> int:
+        raise AssertionError("torchrun would have been started")
+
+    monkeypatch.setattr("dflash_trainer.train.cli._launch_torchrun", launched)
+    err = _run(["train", "--recipe", "qwen3-8b", "--dry-run", "--gpus=1_000"], capsys)
+    assert "--gpus 1000: this host has" in err
+
+
+def test_overrides_that_name_a_class_or_resize_loaded_weights_are_refused(
+    world: dict[str, Path],
+) -> None:
+    """`hf_config_overrides: {hidden_size: 33}` on loaded weights left a config that lies about
+    them (the drafter failed on its first matmul); `model_type: bert` swapped the class under
+    the planner (AttributeError). Both were reported as bugs."""
+    from dflash_trainer.config_sections import TargetConfig
+    from dflash_trainer.target.configs import load_target_config
+    from dflash_trainer.target.model import load_target_model
+
+    name = str(world["target"])
+    with pytest.raises(DFlashError, match="the weights loaded"):
+        load_target_model(TargetConfig(name_or_path=name, hf_config_overrides={"hidden_size": 33}))
+    with pytest.raises(DFlashError, match="names which model this is"):
+        load_target_config(
+            TargetConfig(name_or_path=name, hf_config_overrides={"model_type": "bert"})
+        )
+    # a context length is a setting of loaded weights, and still applies
+    context = {"max_position_embeddings": 2048}
+    model = load_target_model(TargetConfig(name_or_path=name, hf_config_overrides=context))
+    assert model.config.max_position_embeddings == 2048
+
+
+def test_serve_check_fails_on_a_server_that_is_not_there_before_the_eval(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--max-samples 0 evaluates every prompt of every set (minutes on a CPU) before the
+    server was first asked anything."""
+    argv = ["serve-check", "--drafter", str(world["drafter"]), "--target", str(world["target"]),
+            "--base-url", "http://127.0.0.1:9/v1", "--max-samples", "0",
+            "--out", str(tmp_path / "sc.json")]  # fmt: skip
+    _run(argv, capsys, seconds=15)
+    assert not (tmp_path / "sc.json").exists()

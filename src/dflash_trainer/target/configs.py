@@ -195,6 +195,9 @@ def load_target_config(tcfg: TargetConfig) -> Any:
     return text
 
 
+_IDENTITY = ("model_type", "architectures", "auto_map", "text_config", "sub_configs")
+
+
 def _is_size(key: str) -> bool:
     """An integer HF config field that counts or sizes something (so at least 1)."""
     return key.startswith("num_") or key.endswith(("_size", "_dim", "max_position_embeddings"))
@@ -206,6 +209,11 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
     value to set (YAML 1.1 reads `1e-6` as a string: a float field takes it as a number)."""
     where = f"target.hf_config_overrides.{key}"
     cls = type(text).__name__
+    if key in _IDENTITY:  # the class is chosen from these before any override applies
+        raise DFlashError(
+            f"{where}: names which model this is, not a setting of it; give that model's "
+            "directory or hub id as target.name_or_path instead"
+        )
     fields = sorted(text.to_dict()) if hasattr(text, "to_dict") else []
     if key not in fields and (not hasattr(text, key) or callable(getattr(text, key))):
         near = difflib.get_close_matches(key, fields, n=5, cutoff=0.5)
@@ -255,3 +263,22 @@ def apply_hf_overrides(text: Any, overrides: dict[str, Any]) -> None:
         lt = getattr(text, "layer_types", None)
         if lt is not None and len(lt) != text.num_hidden_layers:
             text.layer_types = list(lt)[: text.num_hidden_layers]
+
+
+def check_shape_overrides(model: Any, text: Any, overrides: dict[str, Any]) -> None:
+    """Overrides of a model loaded from its weights: a size or count that differs from the
+    model as built (from its own config.json) would make the config lie about the weights it
+    describes; the drafter built from it then fails on the first matmul. Such overrides are
+    for target.random_init, where the model is built from them."""
+    built = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    built = built if built is not None else model.config
+    for key in overrides:
+        if not _is_size(key) or key == "max_position_embeddings":
+            continue
+        have, want = getattr(built, key, None), getattr(text, key, None)
+        if have is not None and have != want:
+            raise DFlashError(
+                f"target.hf_config_overrides.{key}: {want!r}, but the weights loaded from "
+                f"target.name_or_path have {have!r}; a size of a loaded model is its weights' "
+                "(set target.random_init: true to build a model of that size instead)"
+            )

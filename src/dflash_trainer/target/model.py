@@ -83,6 +83,7 @@ def load_target_model(
 
     from dflash_trainer.target.configs import (
         allow_remote_code,
+        check_shape_overrides,
         load_target_config,
         target_source,
     )
@@ -117,6 +118,7 @@ def load_target_model(
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
             ) from e
+        check_shape_overrides(model, cfg, tcfg.hf_config_overrides)
         for key in tcfg.hf_config_overrides:  # the values checked (and typed) above
             setattr(model.config, key, getattr(cfg, key))
         model.to(device)
