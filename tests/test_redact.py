@@ -54,3 +54,29 @@ def test_plain_options_are_kept():
     assert redact_argv(["run.storage_options.password=x"]) == [
         "run.storage_options.password=<redacted>"
     ]
+
+
+def test_credentials_inside_lists_and_longer_values_are_left_out():
+    """Found by a hostile round: a list of headers, a list of client options, a connection
+    string, a URL's password, `pwd`, and `--set=` before the override all reached config.yaml
+    or run_info.json in clear."""
+    from dflash_trainer.redact import redact_config
+
+    options = {
+        "headers": ["Authorization: Bearer LEAK1"],
+        "client_kwargs": [{"token": "LEAK2"}],
+        "connection_string": "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=LEAK3==",
+        "endpoint_url": "https://user:LEAK4@example.invalid",
+        "pwd": "LEAK5",
+        "credentials": {"type": "service_account", "client_email": "LEAK6@x"},
+        "region_name": "eu-west-1",
+        "anon": False,
+    }
+    kept, dropped = redact_config({"run": {"storage_options": options}})
+    assert "LEAK" not in json.dumps(kept)
+    assert kept["run"]["storage_options"]["region_name"] == "eu-west-1"
+    assert "credentials" in dropped and "client_kwargs[0].token" in dropped
+    words = ["--set=run.storage_options.pwd=hunter2", "run.storage_options.client_kwargs=[{token: x}]",
+             'run.storage_options.headers=["Bearer abc"]', "run.storage_options={a: [{secret: y}]}"]  # fmt: skip
+    masked = " ".join(redact_argv(words))
+    assert not any(s in masked for s in ("hunter2", "token: x", "abc", "secret: y")), masked

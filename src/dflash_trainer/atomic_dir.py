@@ -249,6 +249,12 @@ def atomic_directory(
     without it, an existing non-empty `final` is an error. The body must not keep files open.
     """
     final = Path(os.path.abspath(final))  # `.` and `..` have no name to rename
+    if final.is_symlink():  # publishing renames over the link itself: the user's link is lost
+        what = "a symbolic link" if final.exists() else "a link to nothing (or a link loop)"
+        raise DFlashError(
+            f"{final} is {what}; the directory is written in its place, which would remove "
+            "the link: give the real path of the directory, or remove the link"
+        )
     cwd = Path(os.path.realpath(os.curdir))
     if Path(os.path.realpath(final)) in (cwd, *cwd.parents):  # (a link loop: no error)
         raise DFlashError(f"{final} is the current directory or holds it; write to a new directory")
@@ -329,6 +335,9 @@ def write_file_atomic(path: str | Path, data: bytes | str) -> Path:
         raise DFlashError(f"{os.fspath(path)!r} names no file; give a file name to write")
     if final.is_dir():
         raise DFlashError(f"{final} is a directory; give the name of a file to write")
+    if final.exists() and not final.is_symlink() and not final.is_file():
+        # A FIFO, a device node, a socket: the rename would replace the node itself.
+        raise DFlashError(f"{final} is not a regular file; give the name of a file to write")
     raw = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
     with staged_file(final) as content:
         # Created here, exclusively, never through a link; its mode follows the umask.

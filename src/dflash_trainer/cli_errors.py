@@ -94,19 +94,28 @@ def _os_message(e: OSError) -> str:
     return f"{where}: {what}; {fix}"
 
 
+def _frame_library(tb: TracebackType) -> str | None:
+    parts = os.path.normpath(tb.tb_frame.f_code.co_filename).split(os.sep)
+    if "dflash_trainer" in parts:
+        return "ours"
+    return next((lib for lib in _LIBRARIES if lib in parts), None)
+
+
 def _library_of(tb: TracebackType | None) -> str | None:
-    """The library whose code raised (the innermost frame's package), if one of _LIBRARIES."""
-    last = None
+    """The library whose code raised, if one of _LIBRARIES: the innermost frame of such a
+    library with none of this project's frames below it. What the library called on its
+    input may be what raised (torch making a tensor of the shape a config.json gave, json
+    nested past the stack's depth): the library is still the one that met the input. A
+    frame of ours below it is our code raising (a callback), never the library's."""
+    found = None
     while tb is not None:
-        last = tb
+        lib = _frame_library(tb)
+        if lib == "ours":
+            found = None
+        elif lib is not None:
+            found = lib
         tb = tb.tb_next
-    if last is None:
-        return None
-    parts = os.path.normpath(last.tb_frame.f_code.co_filename).split(os.sep)
-    for lib in _LIBRARIES:
-        if lib in parts:
-            return lib
-    return None
+    return found
 
 
 def _is_safetensors_error(e: BaseException) -> bool:
@@ -157,7 +166,10 @@ def user_message(e: BaseException) -> str | None:
             "Check the model, tokenizer or file named on the command line (it may be damaged, "
             "of another kind, or need a newer library); --debug shows where it failed"
         )
-    if isinstance(e, MemoryError):
+    if isinstance(e, MemoryError) or (
+        # torch's CPU allocator refuses with a RuntimeError, not a MemoryError
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    ):
         return (
             "out of memory (host RAM); use a smaller model, batch or input, or a machine "
             "with more memory"

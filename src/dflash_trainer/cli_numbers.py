@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -80,3 +81,21 @@ def temperature() -> Callable[[str], float]:
 
 def is_checked(type_: Any) -> bool:
     return isinstance(type_, CheckedNumber)
+
+
+_DEVICE = re.compile(r"(cpu|mps|(cuda|xpu)(:[0-9]{1,4})?)")
+
+
+def device(auto: bool = False) -> Callable[[str], str]:
+    """A device name with its index in ASCII digits (`cuda:1`), or `auto` where the command
+    picks: refused here, naming the flag, before torch turns `--device=-1` into a bug report."""
+
+    def parse(text: str) -> str:
+        if (auto and text == "auto") or _DEVICE.fullmatch(text):
+            return text
+        raise argparse.ArgumentTypeError(
+            f"must be {'auto, ' if auto else ''}cpu, cuda, cuda:N or mps, got {text!r}"
+        )
+
+    parse.__name__ = "device"
+    return parse

@@ -43,6 +43,11 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def kind_of(path: str | Path) -> str:
+    """What `path` is (links followed): "a directory", "a FIFO (named pipe)", "a device", ..."""
+    return _kind(os.stat(path).st_mode)
+
+
 def _refuse(path: Path, mode: int, what: str) -> DFlashError:
     kind = _kind(mode)
     if kind == "a directory":

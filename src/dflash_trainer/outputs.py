@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.input_files import kind_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,6 +52,12 @@ def output_file(path: str | Path, flag: str) -> Path:
         raise DFlashError(f"{flag} {p} is a directory; give the name of a file to write")
     if os.path.islink(p) and not p.exists():
         raise DFlashError(f"{flag} {p} is a link to nothing ({os.readlink(p)}); remove it")
+    if p.exists() and not p.is_file():
+        # A FIFO blocks the open for ever, a device never ends when read back to resume, and
+        # a file written beside and renamed over it would replace the device node itself.
+        raise DFlashError(
+            f"{flag} {p} is {kind_of(p)}, not a regular file; give the name of a file to write"
+        )
     part = _blocking_part(p)
     if part is not None:
         raise DFlashError(

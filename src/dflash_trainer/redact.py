@@ -20,10 +20,21 @@ import yaml
 
 MASK = "<redacted>"
 _SECRET_NAME = re.compile(
-    r"key|secret|token|passw|credential|auth|session|signature|private|cookie|bearer", re.I
+    r"key|secret|token|passw|credential|auth|session|signature|private|cookie|bearer|"
+    r"pwd|(^|_)(pass|creds?|sas|login|pin)($|_)|conn(ection)?_?str|(^|_)access_?id",
+    re.I,
 )
 _TOKEN_PREFIX = re.compile(r"^(hf_|ghp_|gho_|github_pat_|glpat-|sk-|xox[abpr]-|AKIA|ASIA|ya29\.)")
 _OPAQUE = re.compile(r"^[A-Za-z0-9+/=_\-.]{20,}$")
+_EMBEDDED = re.compile(
+    # a credential inside a longer value: a URL's user:password@, a connection string's
+    # AccountKey=..., a query's sig=..., an Authorization header's value
+    r"://[^/@\s:]+:[^/@\s]+@|"
+    r"(accountkey|sharedaccesskey|sharedaccesssignature|password|passwd|pwd|secret|token|"
+    r"sig|api_?key)=|"
+    r"\b(bearer|basic|token)\s+\S",
+    re.I,
+)
 NOTE = (
     "credentials in run.storage_options are not written here ({names}); give them through "
     "the environment variables the storage reads (e.g. AWS_ACCESS_KEY_ID and "
@@ -32,33 +43,57 @@ NOTE = (
 
 
 def looks_secret(name: str, value: Any) -> bool:
-    """A credential by its option name, or a string value shaped like a token."""
+    """A credential by its option name, or a string value shaped like a token or holding one."""
     if _SECRET_NAME.search(name):
         return True
     if not isinstance(value, str):
         return False
-    if _TOKEN_PREFIX.match(value):
+    if _TOKEN_PREFIX.match(value) or _EMBEDDED.search(value):
         return True
     mixed = sum(bool(re.search(p, value)) for p in ("[a-z]", "[A-Z]", "[0-9]")) == 3
     return bool(_OPAQUE.match(value)) and mixed
 
 
+_DROP = object()
+
+
+def _split(value: Any, name: str, key: str) -> tuple[Any, list[str]]:
+    """(`value` without credentials or _DROP, dotted names of those left out). Maps and lists
+    are walked (a list of headers, of client options); a plain value is judged by the name of
+    the option that holds it (`key`, the list's own name for its items) and its shape."""
+    if isinstance(value, dict):
+        kept: dict[Any, Any] = {}
+        dropped: list[str] = []
+        for k, v in value.items():
+            where = f"{name}.{k}" if name else str(k)
+            if _SECRET_NAME.search(str(k)):  # all of it, a map of OAuth fields as a string
+                dropped.append(where)
+                continue
+            inner, more = _split(v, where, str(k))
+            dropped += more
+            if inner is not _DROP:
+                kept[k] = inner
+        return kept, dropped
+    if isinstance(value, list | tuple):
+        items: list[Any] = []
+        dropped = []
+        for i, v in enumerate(value):
+            inner, more = _split(v, f"{name}[{i}]", key)
+            dropped += more
+            if inner is not _DROP:
+                items.append(inner)
+        return items, dropped
+    if looks_secret(key, value):
+        return _DROP, [name]
+    return value, []
+
+
 def split_secrets(options: Any, prefix: str = "") -> tuple[Any, list[str]]:
-    """(options without credentials, dotted names of those left out), nested maps included."""
+    """(options without credentials, dotted names of those left out), nested maps and lists
+    included."""
     if not isinstance(options, dict):
         return options, []
-    kept: dict[str, Any] = {}
-    dropped: list[str] = []
-    for k, v in options.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            inner, more = split_secrets(v, f"{name}.")
-            kept[k] = inner
-            dropped += more
-        elif looks_secret(str(k), v):
-            dropped.append(name)
-        else:
-            kept[k] = v
+    kept, dropped = _split(options, prefix.rstrip("."), "")
     return kept, dropped
 
 
@@ -79,24 +114,27 @@ def redact_argv(argv: list[str]) -> list[str]:
 def _redact_word(word: str) -> str:
     if "storage_options" not in word or "=" not in word:
         return word
+    flag, sep, rest = word.partition("=")
+    if flag == "--set":  # `--set=run.storage_options.x=v`: the override is after the flag
+        return f"{flag}{sep}{_redact_word(rest)}"
     key, value = word.split("=", 1)
     last = key.rsplit(".", 1)[-1]
-    if last != "storage_options":
-        return f"{key}={MASK}" if looks_secret(last, value) else word
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         return f"{key}={MASK}"  # unreadable: it may still hold a secret
+    if last != "storage_options":  # one option, maybe a list or a map of them
+        secret = looks_secret(last, value) or bool(_split({last: parsed}, "", "")[1])
+        return f"{key}={MASK}" if secret else word
     if not split_secrets(parsed)[1]:
         return word
     masked = _mask(parsed)
     return f"{key}={yaml.safe_dump(masked, default_flow_style=True).strip()}"
 
 
-def _mask(options: Any) -> Any:
-    if not isinstance(options, dict):
-        return options
-    return {
-        k: _mask(v) if isinstance(v, dict) else (MASK if looks_secret(str(k), v) else v)
-        for k, v in options.items()
-    }
+def _mask(options: Any, key: str = "") -> Any:
+    if isinstance(options, dict):
+        return {k: _mask(v, str(k)) for k, v in options.items()}
+    if isinstance(options, list | tuple):
+        return [_mask(v, key) for v in options]
+    return MASK if looks_secret(key, options) else options

@@ -16,6 +16,7 @@ from dflash_trainer.data.loop_tails import LOOP_TAILS
 from dflash_trainer.data.openai_backend import add_server_arguments
 from dflash_trainer.errors import DFlashError
 
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _THINKING = {"on": True, "off": False, "default": None}
 
 
@@ -121,8 +122,8 @@ def _add_regenerate(sub: Any) -> None:
     )
     _add_engine_options(r)
     add_server_arguments(r)
-    r.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    r.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
+    r.add_argument("--device", default="auto", type=num.device(auto=True), help="auto, cpu, cuda:1")
+    r.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: bf16 on GPU")
     r.add_argument("--seed", type=num.seed(), default=0)
     r.add_argument("--no-progress", action="store_true")
     prompts_cli.add_exclude_lineage(r)
@@ -408,8 +409,8 @@ def _add_synthesize(sub: Any) -> None:
     )
     _add_engine_options(y)
     add_server_arguments(y)
-    y.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    y.add_argument("--dtype", default="auto", help="auto (bf16 on GPU), float32, bfloat16")
+    y.add_argument("--device", default="auto", type=num.device(auto=True), help="auto, cpu, cuda:1")
+    y.add_argument("--dtype", default="auto", choices=_DTYPES, help="auto: bf16 on GPU")
     y.add_argument("--seed", type=num.seed(), default=0)
     y.add_argument("--no-progress", action="store_true")
 

@@ -17,7 +17,7 @@ from typing import Any
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.data.jsonio import HFDataset, require_datasets
 from dflash_trainer.errors import DFlashError, about
-from dflash_trainer.input_files import check_model_dir
+from dflash_trainer.model_dir_check import check_model_files
 
 
 def tokenizer_spec(tcfg: Any) -> str:
@@ -83,7 +83,7 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     where, gguf = split_spec(spec)
-    check_model_dir(where, f"tokenizer {spec}")
+    check_model_files(where, f"tokenizer {spec}")
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
@@ -95,6 +95,9 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
             f"cannot load a tokenizer from {spec!r}: {e}. Pass asset:<name>, a local directory, "
             "a .gguf file or a hub id that exists"
         ) from e
+
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def load_causal_lm(
@@ -110,12 +113,14 @@ def load_causal_lm(
     where, gguf = split_spec(spec)
     if dtype == "auto":
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
+    elif dtype in MODEL_DTYPES:
         torch_dtype = getattr(torch, dtype)
+    else:  # never getattr(torch, <any text>): `--dtype -1` is not torch's attribute to look up
+        raise DFlashError(f"--dtype {dtype!r}: give one of {['auto', *MODEL_DTYPES]}")
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "dtype": torch_dtype}
     if gguf is not None:
         kwargs["gguf_file"] = gguf
-    check_model_dir(where, f"model {spec}")
+    check_model_files(where, f"model {spec}")
     from dflash_trainer.formats.safetensors_check import check_model_weights
 
     check_model_weights(where)

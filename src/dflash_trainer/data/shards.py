@@ -186,8 +186,13 @@ def _offsets(d: Path, n_tokens: int) -> np.ndarray:
 class _Shard:
     """One shard, opened lazily: nothing is mapped until a document of it is read."""
 
-    def __init__(self, root: Path, entry: dict[str, Any]) -> None:
+    def __init__(
+        self, root: Path, entry: dict[str, Any], id_range: tuple[int, int] | None = None
+    ) -> None:
         where = f"{root / MANIFEST}: a shard entry"
+        self.id_range = id_range
+        """(lo, hi) token ids of the split, as its manifest records them (checked against the
+        target's vocabulary before training): a document outside them was changed since."""
         files = entry.get("files") if isinstance(entry, dict) else None
         if not isinstance(files, dict) or sorted(files) != sorted(SHARD_FILES):
             raise DFlashError(f"{where} is damaged (files {SHARD_FILES} expected); {_AGAIN}")
@@ -228,8 +233,17 @@ class _Shard:
         assert self._tokens is not None and self._mask is not None and self._doc_ids is not None
         a, b = int(self.offsets[j]), int(self.offsets[j + 1])
         # Copies: a document is small, and a writable array avoids torch's read-only warning.
+        ids = np.array(self._tokens[a:b], dtype=np.int32)
+        if self.id_range is not None and len(ids):
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < self.id_range[0] or hi > self.id_range[1]:
+                raise DFlashError(
+                    f"shard {self.name}: document {j} holds token ids {lo}..{hi}, outside the "
+                    f"range {list(self.id_range)} its manifest records: tokens.bin was changed "
+                    f"after it was prepared (the model would index past its vocabulary); {_AGAIN}"
+                )
         return Document(
-            input_ids=np.array(self._tokens[a:b], dtype=np.int32),
+            input_ids=ids,
             loss_mask=np.array(self._mask[a:b], dtype=np.bool_),
             doc_id=self._doc_ids[j].decode(),
         )
@@ -260,7 +274,9 @@ class PreparedDataset:
         entries = splits[split].get("shards") if isinstance(splits[split], dict) else None
         if not isinstance(entries, list):
             raise DFlashError(f"{self.path / MANIFEST}: split {split!r} lists no shards; {_AGAIN}")
-        self._shards = [_Shard(self.path, e) for e in entries]
+        rec = splits[split].get("token_ids")
+        ok = isinstance(rec, list) and len(rec) == 2 and all(type(v) is int for v in rec)
+        self._shards = [_Shard(self.path, e, (rec[0], rec[1]) if ok else None) for e in entries]
         counts = [len(s.offsets) - 1 for s in self._shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.lengths: np.ndarray = (

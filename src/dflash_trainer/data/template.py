@@ -41,6 +41,7 @@ import numpy as np
 
 from dflash_trainer.data.formats import Skip
 from dflash_trainer.data.records import Conversation
+from dflash_trainer.data.template_time import TemplateTooSlow, render_chat
 from dflash_trainer.errors import DFlashError
 
 _PROBE_USER = "Probe question?"
@@ -118,14 +119,12 @@ class ChatTemplate:
     def render(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False
     ) -> str:
-        text = self.tokenizer.apply_chat_template(
+        return render_chat(
+            self.tokenizer,
             list(messages),
-            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **self.template_kwargs,
         )
-        assert isinstance(text, str)
-        return text
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a generation prompt (used by regeneration)."""
@@ -162,7 +161,7 @@ class ChatTemplate:
                         raise Skip("mask_mismatch")
                     end = len(through)
                 spans.append((header_end, end))
-        except Skip:
+        except (Skip, TemplateTooSlow):  # a template too slow for one record is for all
             raise
         except Exception as e:  # jinja raises anything (TemplateError, TypeError, ...)
             raise Skip("template_error") from e

@@ -174,7 +174,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fp8: the target's linears in FP8 (a GPU of compute capability >= 8.9; "
         "docs/fp8-target.md); default bf16",
     )
-    p.add_argument("--device", help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument(
+        "--device", type=num.device(), help="cpu, cuda, cuda:1 (default: cuda when available)"
+    )
     p.add_argument(
         "--prompts",
         default=",".join(d.prompts),

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import EvalConfig
+from dflash_trainer.data.template_time import render_chat
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.prompts import Messages
 from dflash_trainer.eval.report import lossless_check
 from dflash_trainer.eval.speculative import BlockDrafter, Generation, generate
@@ -21,8 +23,8 @@ from dflash_trainer.target.model import FrozenTarget
 
 def render_prompt(tokenizer: Any, messages: Messages, enable_thinking: bool) -> list[int]:
     """Chat template with the generation prompt, tokenized without extra special tokens."""
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking
     )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -76,6 +78,14 @@ class PromptRun:
 
     def loops(self, ids: list[int], speculative: bool) -> dict[str, Any]:
         """generate()'s drafter and runner for this prompt (both loops share the runner)."""
+        limit = _context_length(self.target.model)
+        if limit is not None and len(ids) > limit:
+            # Past its positions the model is undefined, and a hostile prompt (or template) of
+            # millions of tokens would prefill for hours: refused before any decoding.
+            raise DFlashError(
+                f"a prompt renders to {len(ids):,} tokens, more than the target's context of "
+                f"{limit:,} (max_position_embeddings); shorten or drop it from --prompts"
+            )
         self.engines.ensure(len(ids) + self.eval_cfg.max_new_tokens + 2 * self.block.block_size)
         d = (self.engines.drafter or self.block) if speculative else None
         return {"drafter": d, "runner": self.engines.runner}
@@ -130,6 +140,13 @@ class PromptRun:
         rec["text"] = self.tokenizer.decode(g.tokens, skip_special_tokens=True)
         self.responses.append(rec)
         return rec
+
+
+def _context_length(model: Any) -> int | None:
+    cfg: Any = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def _record(g: Generation, prompt_id: str, history: Messages) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.speculative import DFlashBlockDrafter
 from dflash_trainer.target.model import FrozenTarget
 
@@ -186,6 +187,9 @@ def candidate_walk(
     reaches (each conditioned on the earlier slots being right). With DFlash2 the drafts
     are the selector's walk; the candidates are the backbone's top-k either way."""
     adapter = DFlashBlockDrafter(drafter, target)
+    vocab = int(target.lm_head_weight.shape[0])
+    if k > vocab:  # top-k of fewer than k logits: torch's "selected index k out of range"
+        raise DFlashError(f"--candidates {k} is more than the target's vocabulary of {vocab}")
     s = adapter.block_size - 1
     tally: dict[str, Any] = {"reached": [0] * s, "at1": [0] * s, "atk": [0] * s}
     walked: list[int] = []

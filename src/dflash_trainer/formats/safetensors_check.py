@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from dflash_trainer.atomic_dir import UMASK
 from dflash_trainer.errors import DFlashError, about
 from dflash_trainer.input_files import check_regular, open_regular
+from dflash_trainer.model_dir_check import check_config_matches_weights
 
 MAX_HEADER_BYTES = 100 << 20
 """The safetensors library's own limit: a larger header is not one it would write."""
@@ -179,8 +180,10 @@ def check_model_weights(path: str | Path) -> None:
     maps it (a hub id or a file is left to the library)."""
     d = Path(path)
     if d.is_dir():
+        shapes: dict[str, tuple[int, ...]] = {}
         for f in sorted(d.glob("*.safetensors")):
-            check_safetensors(f, root=d)
+            shapes.update({k: v.shape for k, v in check_safetensors(f, root=d).items()})
+        check_config_matches_weights(d, shapes)
 
 
 def rust_path(path: str | Path) -> str | None:

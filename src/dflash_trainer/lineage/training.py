@@ -28,6 +28,7 @@ from dflash_trainer.lineage.record import (
     weights_sha256,
 )
 from dflash_trainer.lineage.turns import RecordedTurns, count
+from dflash_trainer.redact import redact_config
 
 
 @dataclass
@@ -134,7 +135,7 @@ def files_for_run(
         "epochs": round(epochs, 4),
         "tokens_seen": tr.tokens_seen * tr.world.world_size,
         "data": data,
-        "config": config,
+        "config": redact_config(config)[0],  # a lineage travels with every export: no credentials
         "result": {"weights_sha256": weights_sha256(state), "dtype": ",".join(dtypes)},
         "exports": [],
         "evals": [],

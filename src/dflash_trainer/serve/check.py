@@ -166,15 +166,17 @@ def run_check(args: argparse.Namespace, models: Any = None) -> dict[str, Any]:
     """The report of one check (check.py's module docstring); `models` (eval.loading's
     EvalModels) when already loaded."""
     python = None if args.base_url else vllm_python(args.vllm_python)  # fail before the eval
+    client = None
+    if args.base_url:  # a server that is not there fails now, not after the whole eval
+        client = OpenAIClient(args.base_url, args.model or _only_model(args.base_url))
+        client.check_model()
     models, sets, evaluated = evaluate_sets(args, models)
     report: dict[str, Any] = {"drafter": str(args.drafter), "target": models.identity["target"]}
     report["settings"] = {
         "prompts": args.prompts, "max_samples": args.max_samples, "seed": args.seed,
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "temperature": 0.0,
     }  # fmt: skip
-    if args.base_url:
-        client = OpenAIClient(args.base_url, args.model or _only_model(args.base_url))
-        client.check_model()
+    if client is not None:
         served = _serve_sets(client, client.base_url.removesuffix("/v1"), models, sets, args)
         report["server"] = {"base_url": client.base_url, "model": client.model}
     else:
@@ -221,7 +223,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", type=text, help="with --base-url: the served model name (default: its only one)"
     )
     p.add_argument("--vllm-python", help="the vLLM virtualenv's python (default: .venv-vllm)")
-    p.add_argument("--dtype", default="float32", help="target and drafter dtype on both sides")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="target and drafter dtype on both sides",
+    )
     p.add_argument("--startup-timeout", type=num.positive(86400.0), default=900.0, help="seconds")
     p.add_argument(
         "--kv-cache-gib",

@@ -19,7 +19,7 @@ from typing import Any
 from dflash_trainer.assets import resolve_source
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError, about
-from dflash_trainer.input_files import check_model_dir
+from dflash_trainer.model_dir_check import check_model_files, size_limit
 
 _QWEN36_LAYER_TYPES = (["linear_attention"] * 3 + ["full_attention"]) * 16
 
@@ -162,7 +162,7 @@ def allow_remote_code(tcfg: TargetConfig) -> bool:
 
 def load_target_config(tcfg: TargetConfig) -> Any:
     """The target's (text) HF config, with `hf_config_overrides` applied; no weights loaded."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     trust = allow_remote_code(tcfg)
     name, gguf = target_source(tcfg)
@@ -175,7 +175,7 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 kw["gguf_file"] = gguf
             if tcfg.revision:
                 kw["revision"] = tcfg.revision
-            check_model_dir(name, "target.name_or_path")
+            check_model_files(name, "target.name_or_path")
             with about(f"the config of target.name_or_path={tcfg.name_or_path!r}"):
                 cfg = AutoConfig.from_pretrained(name, **kw)
         except (OSError, ValueError) as e:
@@ -185,8 +185,17 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 f"or one of the bundled hub ids {sorted(KNOWN_CONFIGS)}"
             ) from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not isinstance(text, PretrainedConfig):  # a config.json whose text_config is not a map
+        raise DFlashError(
+            f"target.name_or_path={tcfg.name_or_path!r}: its config's text part is "
+            f"{type(text).__name__} {text!r:.60}, not a model config; the config.json is "
+            "damaged: fix or replace it"
+        )
     apply_hf_overrides(text, tcfg.hf_config_overrides)
     return text
+
+
+_IDENTITY = ("model_type", "architectures", "auto_map", "text_config", "sub_configs")
 
 
 def _is_size(key: str) -> bool:
@@ -200,6 +209,11 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
     value to set (YAML 1.1 reads `1e-6` as a string: a float field takes it as a number)."""
     where = f"target.hf_config_overrides.{key}"
     cls = type(text).__name__
+    if key in _IDENTITY:  # the class is chosen from these before any override applies
+        raise DFlashError(
+            f"{where}: names which model this is, not a setting of it; give that model's "
+            "directory or hub id as target.name_or_path instead"
+        )
     fields = sorted(text.to_dict()) if hasattr(text, "to_dict") else []
     if key not in fields and (not hasattr(text, key) or callable(getattr(text, key))):
         near = difflib.get_close_matches(key, fields, n=5, cutoff=0.5)
@@ -233,6 +247,9 @@ def check_hf_override(text: Any, key: str, value: Any) -> Any:
         raise DFlashError(
             f"{where}: {cls}.{key} counts or sizes something; must be >= 1, got {value}"
         )
+    limit = size_limit(key)
+    if isinstance(value, int) and limit is not None and value > limit:
+        raise DFlashError(f"{where}: {cls}.{key} is {value:,}; no model has more than {limit:,}")
     return value
 
 
@@ -246,3 +263,22 @@ def apply_hf_overrides(text: Any, overrides: dict[str, Any]) -> None:
         lt = getattr(text, "layer_types", None)
         if lt is not None and len(lt) != text.num_hidden_layers:
             text.layer_types = list(lt)[: text.num_hidden_layers]
+
+
+def check_shape_overrides(model: Any, text: Any, overrides: dict[str, Any]) -> None:
+    """Overrides of a model loaded from its weights: a size or count that differs from the
+    model as built (from its own config.json) would make the config lie about the weights it
+    describes; the drafter built from it then fails on the first matmul. Such overrides are
+    for target.random_init, where the model is built from them."""
+    built = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    built = built if built is not None else model.config
+    for key in overrides:
+        if not _is_size(key) or key == "max_position_embeddings":
+            continue
+        have, want = getattr(built, key, None), getattr(text, key, None)
+        if have is not None and have != want:
+            raise DFlashError(
+                f"target.hf_config_overrides.{key}: {want!r}, but the weights loaded from "
+                f"target.name_or_path have {have!r}; a size of a loaded model is its weights' "
+                "(set target.random_init: true to build a model of that size instead)"
+            )

@@ -35,7 +35,7 @@ from torch import nn
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError, about
 from dflash_trainer.formats.safetensors_check import check_model_weights
-from dflash_trainer.input_files import check_model_dir
+from dflash_trainer.model_dir_check import check_model_files
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -83,6 +83,7 @@ def load_target_model(
 
     from dflash_trainer.target.configs import (
         allow_remote_code,
+        check_shape_overrides,
         load_target_config,
         target_source,
     )
@@ -108,7 +109,7 @@ def load_target_model(
             kw["gguf_file"] = gguf
         if tcfg.revision:
             kw["revision"] = tcfg.revision
-        check_model_dir(name, "target.name_or_path")
+        check_model_files(name, "target.name_or_path")
         check_model_weights(name)
         try:
             with about(f"the model target.name_or_path={tcfg.name_or_path!r}"):
@@ -117,6 +118,7 @@ def load_target_model(
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
             ) from e
+        check_shape_overrides(model, cfg, tcfg.hf_config_overrides)
         for key in tcfg.hf_config_overrides:  # the values checked (and typed) above
             setattr(model.config, key, getattr(cfg, key))
         model.to(device)

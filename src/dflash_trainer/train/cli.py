@@ -99,8 +99,20 @@ def _launch_torchrun(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=os.environ.copy())
 
 
+def _check_ranks(n: int) -> None:
+    """torchrun starts every rank at once: more ranks than this host has GPUs (or, without a
+    GPU, cores) is not a run but a host out of memory, every process of it killed."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    most, what = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores and no GPU")
+    if n > most:
+        raise DFlashError(f"--gpus {n}: this host has {most} {what}; give at most {most}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.gpus and "RANK" not in os.environ:
+        _check_ranks(args.gpus)
         return _launch_torchrun(args)
     cfg = resolve_config(args)
     if args.overwrite and args.resume:
