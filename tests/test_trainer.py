@@ -124,6 +124,16 @@ def test_nan_steps_are_skipped_then_stop_the_run(tmp_path):
         assert torch.equal(v, saved[k])
 
 
+def test_a_run_shorter_than_max_bad_steps_with_every_step_non_finite_fails(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 2, "max_bad_steps": 5})
+    tr = Trainer(cfg, log_to_console=False)
+    tr.drafter.fc.weight.data[0, 0] = math.nan  # every loss NaN from the first step
+    with pytest.raises(DFlashError, match="every step of this run"):
+        tr.train()
+    assert tr.skipped_total == 2
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
 def test_long_documents_are_truncated_and_counted(tmp_path):
     data = write_prepared(tmp_path / "long", n_docs=10, lo=150, hi=200)
     cfg = tiny_config(

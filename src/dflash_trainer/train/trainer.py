@@ -314,10 +314,12 @@ class Trainer(Stepper):
             f"drafter {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.1f}M params, "
             f"compile={'on' if self.compile else 'off'}"
         )
+        first = self.step
         try:
             stopped = self._loop(bar)
             if stopped is not None:
                 return stopped
+            self._check_ending(first)
             last_ckpt = self.save_checkpoint()
             self._write_final_drafter()
             self._write_plots()
@@ -367,6 +369,24 @@ class Trainer(Stepper):
                 )
                 return {"step": self.step, "stopped": True, "checkpoint": last_ckpt}
         return None
+
+    def _check_ending(self, first: int) -> None:
+        """A schedule shorter than max_bad_steps could end with every step non-finite and be
+        reported as a finished run: refuse that; say it when only the last steps were."""
+        if self.bad_steps == 0:
+            return
+        if self.bad_steps >= self.step - first:
+            where = self.checkpointer.latest() or "none yet"
+            raise DFlashError(
+                f"every step of this run ({self.bad_steps}, to step {self.step}) had a "
+                f"non-finite loss or gradient; nothing was trained and no drafter is written. "
+                f"The last good checkpoint ({where}) is intact: check the target (its config "
+                "and weights give non-finite hidden states?), the data, or lower training.lr"
+            )
+        self._log(
+            f"the last {self.bad_steps} steps were non-finite and skipped: the final weights "
+            f"are those of step {self.step - self.bad_steps}"
+        )
 
     def _bad_step(self) -> None:
         self._log(f"step {self.step}: non-finite loss or gradient, step skipped")
