@@ -182,6 +182,16 @@ def test_a_fresh_run_refuses_any_used_run_directory(finished_run, tmp_path):
     shutil.copy(run / "config.yaml", only_config)
     with pytest.raises(DFlashError, match=r"already holds a run \(config\.yaml\)"):
         Trainer(replace(cfg, run={"output_dir": str(only_config)}), log_to_console=False)
+    # A start that failed before its first step (its config.yaml and run_info.json, an empty
+    # metrics.jsonl) is started again by the same command; a metrics row makes it used.
+    failed = tmp_path / "failed-start"
+    Trainer(replace(cfg, run={"output_dir": str(failed)}), log_to_console=False).release()
+    (failed / "metrics.jsonl").write_text("")
+    assert {"config.yaml", "run_info.json"} <= {p.name for p in failed.iterdir()}
+    Trainer(replace(cfg, run={"output_dir": str(failed)}), log_to_console=False).release()
+    (failed / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(DFlashError, match=r"already holds a run \(config\.yaml; run_info"):
+        Trainer(replace(cfg, run={"output_dir": str(failed)}), log_to_console=False)
     # --overwrite deletes the old final drafter, but only a drafter this tool wrote.
     (run / "drafter" / "notes.txt").write_text("mine")
     with pytest.raises(DFlashError, match=r"notes\.txt"):

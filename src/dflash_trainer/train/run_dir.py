@@ -160,6 +160,12 @@ def check_fresh_start(
     used = [n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()]
     if not found and not used:
         return
+    if not found and _start_that_trained_nothing(run_dir, used):
+        log(
+            f"{run_dir}: the start recorded there trained no step (no checkpoint, metrics row "
+            "or drafter); starting again in it"
+        )
+        return
     if not overwrite:
         held = used + ([f"checkpoints in {root}: " + ", ".join(found[-3:])] if found else [])
         raise DFlashError(
@@ -180,6 +186,24 @@ def check_fresh_start(
         check_replaceable(drafter, DRAFTER_FILES.__contains__, "the run's final drafter")
         shutil.rmtree(drafter)
         log(f"--overwrite: deleted the previous run's final drafter {drafter}")
+
+
+def _start_that_trained_nothing(run_dir: Path, used: list[str]) -> bool:
+    """Whether the directory holds only what a start writes before its first step (its
+    config.yaml and run_info.json, an empty metrics.jsonl): a run that failed before training
+    anything, which the same command may start again. A config.yaml alone is not enough (a
+    user's own file of that name); run_info.json is this tool's."""
+    if "run_info.json" not in used or not set(used) <= {
+        "config.yaml",
+        "run_info.json",
+        "metrics.jsonl",
+    }:
+        return False
+    files = [run_dir / n for n in used]
+    if any(p.is_symlink() or not p.is_file() for p in files):
+        return False
+    metrics = run_dir / "metrics.jsonl"
+    return not metrics.exists() or metrics.stat().st_size == 0
 
 
 def _write_atomic(path: Path, text: str) -> None:
