@@ -338,3 +338,16 @@ def test_serve_check_fails_on_a_server_that_is_not_there_before_the_eval(
             "--out", str(tmp_path / "sc.json")]  # fmt: skip
     _run(argv, capsys, seconds=15)
     assert not (tmp_path / "sc.json").exists()
+
+
+def test_an_output_named_by_a_url_is_refused_not_written_as_a_local_directory(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:  # a usage error, as argparse reports them
+        main([*_prepare(world, world["target"], Path("x"))[:-1], "s3://bucket/prep"])
+    assert e.value.code == USER_ERROR
+    assert "--out: 's3://bucket/prep' is a URL" in capsys.readouterr().err
+    msg = _run(["train", "--recipe", "smollm2-135m-demo", "run.output_dir=s3://b/run"], capsys)
+    assert "run.output_dir" in msg and "run.checkpoint_dir" in msg
+    assert not (tmp_path / "s3:").exists()

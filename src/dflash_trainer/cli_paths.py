@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.config_fields import URL
+
 
 def text(value: str) -> str:
     """The `type=` of a flag whose value is free text, not a path: kept as given."""
@@ -30,7 +32,10 @@ def path(value: str) -> str:
 
 
 def path_obj(value: str) -> Path:
-    """`path` as a Path (the flags declared `type=Path`)."""
+    """`path` as a Path (the flags declared `type=Path`: local paths only). A URL is refused:
+    Path would fold `s3://b/x` into a local directory named `s3:`."""
+    if URL.match(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL; this flag takes a local path")
     return Path(os.path.expanduser(value))
 
 

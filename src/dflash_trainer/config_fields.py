@@ -50,6 +50,9 @@ class Rule:
     choices: tuple[Any, ...] | None = None
     path: bool = False
     """A path or URL: a `scheme://` prefix must name a protocol fsspec knows."""
+    local: bool = False
+    """A local path: a `scheme://` URL is refused (it would be written as a local directory
+    named after the scheme)."""
     file_name: bool = False
     """A bare file name: no directory part, so it cannot point outside its directory."""
     identifier_keys: bool = False
@@ -301,8 +304,14 @@ def _check_string(s: str, rule: Rule, path: str) -> None:
     _check_length(len(s), rule, path, "characters")
     if rule.file_name and ("/" in s or "\\" in s or s in (".", "..")):
         fail(path, f"must be a file name inside target.name_or_path, not a path: {s!r}")
+    if rule.local and URL.match(s):
+        fail(path, f"must be a local directory, not a URL ({s!r}); {rule.why}")
     if rule.path:
         check_protocol(s, path)
+
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+"""A `scheme://` prefix: what tells a URL from a local path."""
 
 
 def check_protocol(s: str, path: str) -> None:

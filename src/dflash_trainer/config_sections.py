@@ -349,8 +349,13 @@ class TrainingConfig:
 class RunConfig:
     """Where the run lives."""
 
-    output_dir: str = setting("runs/dflash", min_len=1, path=True)
-    """Run directory (config, metrics, checkpoints, plots); local path or fsspec URL for checkpoints."""
+    output_dir: str = setting(
+        "runs/dflash",
+        min_len=1,
+        local=True,
+        why="put checkpoints in an object store with run.checkpoint_dir",
+    )
+    """Run directory (config, metrics, checkpoints, plots, final drafter): a local path."""
     checkpoint_dir: str | None = setting(None, min_len=1, path=True)
     """Checkpoint location if not <output_dir>/checkpoints (e.g. s3://bucket/run)."""
     name: str | None = None

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dflash_trainer.config_fields import URL
 from dflash_trainer.dir_lock import output_locked
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import kind_of
@@ -42,9 +43,15 @@ def _blocking_part(path: Path) -> Path | None:
     return None
 
 
+def _not_url(text: str, flag: str) -> None:
+    if URL.match(text):  # Path() would make s3://b/x a local directory named 's3:'
+        raise DFlashError(f"{flag} {text!r} is a URL; this output is written to a local path only")
+
+
 def output_file(path: str | Path, flag: str) -> Path:
     """`path` checked as a file to write (absolute); a DFlashError names what is wrong."""
     text = os.fspath(path)
+    _not_url(text, flag)
     p = Path(os.path.abspath(text)) if text else Path()
     if not text or text.endswith(os.sep) or p.name in ("", ".", ".."):
         raise DFlashError(f"{flag} {text!r} names no file; give a file name, e.g. out.jsonl")
@@ -69,6 +76,7 @@ def output_file(path: str | Path, flag: str) -> Path:
 def output_dir(path: str | Path, flag: str) -> Path:
     """`path` checked as a directory to write into or create (absolute)."""
     text = os.fspath(path)
+    _not_url(text, flag)
     if not text:
         raise DFlashError(f"{flag} '' names no directory; give one, e.g. {flag} out")
     p = Path(os.path.abspath(text))
@@ -95,7 +103,8 @@ def check_not_input(
     """Refuse an output that is one of `inputs` or `data`, that lies inside a `data` directory
     (data inputs are read recursively: the output would be read back as data), or, for a
     directory replaced whole (`replaced_whole`), that holds an input. Names that are not local
-    paths (hub ids, `asset:` names) are skipped."""
+    paths (hub ids, `asset:` names) are skipped. An output named by a URL is refused."""
+    _not_url(os.fspath(out), flag)
     o = _real(out)
     for given, is_data in [*((i, False) for i in inputs), *((d, True) for d in data)]:
         if given is None or not os.path.lexists(given):
