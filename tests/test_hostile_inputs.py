@@ -262,6 +262,12 @@ def test_device_names_and_candidates_are_checked_before_torch_meets_them(
         with pytest.raises(SystemExit) as e:
             main([*argv, f"--device={device}"])
         assert e.value.code == USER_ERROR and "--device" in capsys.readouterr().err
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, or the first of none
+    with pytest.raises(SystemExit) as e:
+        main([*argv, f"--device={missing}"])
+    assert f"this machine has {torch.cuda.device_count()} CUDA device" in capsys.readouterr().err
     err = _run([*argv, "--device", "cpu", "--candidates", "1000"], capsys)
     assert "more than the target's vocabulary" in err
 

@@ -86,12 +86,31 @@ def is_checked(type_: Any) -> bool:
 _DEVICE = re.compile(r"(cpu|mps|(cuda|xpu)(:[0-9]{1,4})?)")
 
 
+def _check_present(name: str) -> None:
+    """A GPU the machine lacks is said here, not later by a library as 'refused the input'."""
+    import torch
+
+    kind, _, index = name.partition(":")
+    if kind == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) >= have:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: this machine has {have} CUDA device(s) torch can use"
+                + ("" if have else f" (torch {torch.__version__}); use cpu")
+            )
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("'mps': not available on this machine; use cpu")
+
+
 def device(auto: bool = False) -> Callable[[str], str]:
     """A device name with its index in ASCII digits (`cuda:1`), or `auto` where the command
     picks: refused here, naming the flag, before torch turns `--device=-1` into a bug report."""
 
     def parse(text: str) -> str:
-        if (auto and text == "auto") or _DEVICE.fullmatch(text):
+        if auto and text == "auto":
+            return text
+        if _DEVICE.fullmatch(text):
+            _check_present(text)
             return text
         raise argparse.ArgumentTypeError(
             f"must be {'auto, ' if auto else ''}cpu, cuda, cuda:N or mps, got {text!r}"
