@@ -124,8 +124,12 @@ def test_gamma_defaults_follow_the_paper():
         ("training.max_anchors=1000000", r"training\.max_anchors: must be in \[1, 16384\]"),
         ("drafter.num_layers=1000000", r"drafter\.num_layers: must be in \[1, 64\]"),
         (
-            "run.output_dir=nosuchproto://bucket/run",
-            r"run\.output_dir: unknown protocol 'nosuchproto'.*fsspec knows \[.*s3",
+            "run.checkpoint_dir=nosuchproto://bucket/run",
+            r"run\.checkpoint_dir: unknown protocol 'nosuchproto'.*fsspec knows \[.*s3",
+        ),
+        (
+            "run.output_dir=s3://bucket/run",
+            r"run\.output_dir: must be a local directory, not a URL.*run\.checkpoint_dir",
         ),
         ("run.checkpoint_dir=zzz://x", r"run\.checkpoint_dir: unknown protocol 'zzz'"),
         ("target.gguf_file=../../x.gguf", r"target\.gguf_file: must be a file name"),
