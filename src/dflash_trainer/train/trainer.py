@@ -373,7 +373,7 @@ class Trainer(Stepper):
     def _check_ending(self, first: int) -> None:
         """A schedule shorter than max_bad_steps could end with every step non-finite and be
         reported as a finished run: refuse that; say it when only the last steps were."""
-        if self.bad_steps == 0:
+        if self.bad_steps == 0 or self.step == first:  # a resume with no step left to run
             return
         if self.bad_steps >= self.step - first:
             where = self.checkpointer.latest() or "none yet"
