@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lineage_chain import Chain, build_chain
 
 from dflash_trainer.core.geometry import DrafterSpec
 
@@ -74,3 +75,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    """Three real continuations of a tiny drafter (tests/lineage_chain.py), once per module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the module fixture runs before the per-test one
+    try:
+        return build_chain(tmp_path_factory.mktemp("lineage"))
+    finally:
+        torch.set_num_threads(before)

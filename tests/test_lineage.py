@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lineage_chain import STEPS, Chain, build_chain, conversation
+from lineage_chain import STEPS, Chain, conversation
 from test_data_support import write_jsonl
 
 from dflash_trainer.cli import main
@@ -33,16 +33,6 @@ from dflash_trainer.lineage.record import (
 from dflash_trainer.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the module fixture runs before the per-test one
-    try:
-        return build_chain(tmp_path_factory.mktemp("lineage"))
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_each_drafter_records_its_whole_lineage_and_the_hashes_match(chain: Chain) -> None:

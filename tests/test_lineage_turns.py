@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import yaml
-from lineage_chain import Chain, base_config, build_chain, conversation
+from lineage_chain import Chain, base_config, conversation
 from test_data_support import tiny_tokenizer, write_jsonl
 
 from dflash_trainer.cli import main
@@ -180,16 +179,6 @@ def test_a_turn_in_two_continuations_is_refused_by_verify(tmp_path: Path) -> Non
 
 
 # ------------------------------------------------------- a continuation on later turns
-
-
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the module fixture runs before the per-test one
-    try:
-        return build_chain(tmp_path_factory.mktemp("lineage"))
-    finally:
-        torch.set_num_threads(before)
 
 
 def _one_more_turn(i: int) -> dict[str, Any]:

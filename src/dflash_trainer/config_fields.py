@@ -310,13 +310,13 @@ def _check_string(s: str, rule: Rule, path: str) -> None:
         check_protocol(s, path)
 
 
-URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-"""A `scheme://` prefix: what tells a URL from a local path."""
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+"""A `scheme://` prefix (group 1: the scheme): what tells a URL from a local path."""
 
 
 def check_protocol(s: str, path: str) -> None:
     """A `scheme://` URL must name a protocol fsspec knows and can load here."""
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://", s)
+    m = URL.match(s)
     if m is None:
         return
     proto = m.group(1).lower()
