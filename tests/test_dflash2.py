@@ -341,3 +341,38 @@ def test_top_candidates_break_ties_by_id_so_candidate_zero_is_the_argmax():
     assert ids.tolist() == [[1, 2, 4, 0], [0, 1, 3, 2]]
     assert vals.tolist() == [[3.0, 3.0, 3.0, 1.0], [2.0, 2.0, 2.0, 1.0]]
     assert torch.equal(ids[:, 0], logits.argmax(-1))
+
+
+def test_selector_lr_scale_gives_only_the_selector_a_larger_step():
+    """training.selector_lr_scale multiplies the selector's lr through warmup and cosine; the
+    convolutions and backbone keep lr, and scale 1 keeps the two groups checkpoints hold."""
+    from dflash_trainer.config import TrainingConfig
+    from dflash_trainer.train.optim import build_optimizer, build_scheduler
+
+    model = DFlashDrafter(make_spec(kind="dflash2", conv_group_size=8, selector_rank=8))
+    plain = build_optimizer(model, TrainingConfig(lr=1e-3))
+    assert [g["weight_decay"] for g in plain.param_groups] == [0.01, 0.0]
+    t = TrainingConfig(lr=1e-3, selector_lr_scale=30.0, warmup_ratio=0.5)
+    opt = build_optimizer(model, t)
+    sched = build_scheduler(opt, t, total_steps=4)
+    selector = {id(p) for p in model.candidate_selector.parameters()}
+    for g in opt.param_groups:
+        inside = {id(p) in selector for p in g["params"]}
+        assert len(inside) == 1  # a group is all selector or none of it
+        want = 1e-3 * (30.0 if inside == {True} else 1.0) * 0.5  # warmup step 1 of 2
+        assert g["lr"] == pytest.approx(want)
+    n_sel = sum(len(g["params"]) for g in opt.param_groups if id(g["params"][0]) in selector)
+    assert n_sel == len(selector) and {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for p in model.parameters()
+    }
+    # One Adam step moves each touched entry by about its group's lr: the zero successor
+    # codebook leaves zero by 30x the conv kernel projection's (also zero) step.
+    model.candidate_selector.successor_codebook.grad = torch.ones_like(
+        model.candidate_selector.successor_codebook
+    )
+    conv = model.layers[0].attention_conv.kernel_projection.weight
+    conv.grad = torch.ones_like(conv)
+    opt.step()
+    sched.step()
+    succ = model.candidate_selector.successor_codebook.detach().abs().max()
+    assert float(succ) == pytest.approx(30 * float(conv.detach().abs().max()), rel=1e-3)

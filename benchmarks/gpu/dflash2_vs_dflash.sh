@@ -21,7 +21,8 @@
 #   the SmolLM2 and eval-set asset packages
 #   (benchmarks/offline_bundle.sh carries them to a machine without a registry).
 # Knobs: STEPS (300), LR (2e-4), WARMUP (0.1), BUDGET (32768 tokens a step), ANCHORS (2048),
-#   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
+#   SELECTOR_LR_SCALE (1: the DFlash2 selector's lr as a multiple of LR), SAMPLES (40),
+#   EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
 #   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), GREEDY_DFLASH (1: also
 #   dflash_b16_greedy, its argmax drafts at t > 0; the drafters themselves sample there),
 #   DEVICE (cuda; cpu rehearses with tiny knobs), OUT (benchmarks/out/dflash2_vs_dflash),
@@ -51,14 +52,15 @@ train_run() {  # name, kind, block: one continuation from INIT
   local name=$1 kind=$2 block=$3 gamma=7.0
   [ "$block" = 8 ] && gamma=4.0
   [ -d "$OUT/$name/drafter" ] && return 0
-  local device=()
+  local device=() extra=()
   [ "$DEVICE" = cuda ] || device=(training.device=cpu data.max_doc_tokens=1024)
+  [ "$kind" = dflash2 ] && extra=("training.selector_lr_scale=${SELECTOR_LR_SCALE:-1}")
   $DFLASH train --recipe smollm2-135m "data.train=$OUT/prep" "run.output_dir=$OUT/$name" \
     "drafter.init_from=$INIT" "drafter.kind=$kind" "drafter.block_size=$block" \
     "training.gamma=$gamma" "training.max_steps=${STEPS:-300}" "training.lr=${LR:-2e-4}" \
     "training.warmup_ratio=${WARMUP:-0.1}" "data.token_budget=${BUDGET:-32768}" \
     "training.max_anchors=${ANCHORS:-2048}" training.eval_every=0 \
-    training.checkpoint_every=100000 training.log_every=25 "${device[@]}" \
+    training.checkpoint_every=100000 training.log_every=25 "${device[@]}" "${extra[@]}" \
     > "$OUT/$name.log" 2>&1
 }
 pair() {  # the two kinds at one block size, side by side on the GPU (their compiles overlap)

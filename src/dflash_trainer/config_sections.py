@@ -265,6 +265,9 @@ class TrainingConfig:
     """Weight of the acceptance-direct (lk) term added to a ce or kl loss."""
     selector_loss_weight: float = setting(1.0, lo=0, hi=1e6, why="0 leaves the selector untrained")
     """DFlash2: weight of the selector's K-way cross-entropy beside the block loss."""
+    selector_lr_scale: float = setting(1.0, lo=0, lo_open=True, hi=1e4)
+    """DFlash2: the selector's lr as a multiple of lr (it starts as a no-op and learns slowly
+    at a backbone's lr; the convolutions keep lr)."""
     labels: Literal["target", "data"] = "target"
     """What a slot learns: the target's own prediction, or the dataset token."""
     weighting: Literal["decay", "dpace"] = "decay"

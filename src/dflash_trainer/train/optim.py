@@ -17,18 +17,39 @@ from dflash_trainer.config import TrainingConfig
 
 
 def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.AdamW:
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for p in model.parameters():
+    # Groups keyed by (selector?, decayed?). The DFlash2 selector starts as an exact no-op
+    # (zero successor codebook: the predecessor codebook and gate get no gradient until it
+    # moves), and Adam moves a parameter about lr per step, so at a backbone's lr its pair
+    # term stays far below the logit gaps it has to reorder for hundreds of steps. Only the
+    # selector: the convolutions sit in the residual stream, where a large step would
+    # disturb a trained backbone, and they get gradient from the first step anyway.
+    scale = t.selector_lr_scale
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        fresh = scale != 1.0 and _plain_name(name).startswith("candidate_selector.")
+        groups.setdefault((fresh, p.ndim >= 2), []).append(p)
+    params = [p for ps in groups.values() for p in ps]
+    built = [
+        {
+            "params": ps,
+            "weight_decay": t.weight_decay if decayed else 0.0,
+            "lr": t.lr * (scale if fresh else 1.0),
+        }
+        for (fresh, decayed), ps in sorted(groups.items(), key=lambda kv: (kv[0][0], not kv[0][1]))
     ]
-    fused = all(p.is_cuda for p in decay + no_decay) and len(decay) > 0
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=1e-8, fused=fused or None)
+    if not built:  # AdamW refuses an empty list; the caller's own check names the problem
+        built = [{"params": [], "weight_decay": t.weight_decay, "lr": t.lr}]
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(built, lr=t.lr, betas=t.betas, eps=1e-8, fused=fused or None)
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without the prefixes torch.compile, DDP and FSDP wrap it in."""
+    for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) -> float:
