@@ -11,7 +11,7 @@ pack() {  # every small result under $OUT into $RET/results.tgz, written whole o
   local tmp="$RET/.results.$BASHPID"  # the minute packer and a stage may pack at once
   (cd "$OUT" && find . -path ./ret -prune -o -type f \( -name '*.json' -o -name '*.md' \
     -o -name '*.png' -o -name '*.log' -o -name '*.txt' -o -name '*.jsonl' \) -size -8M -print \
-    | grep -v -e '/prompts.jsonl' -e '/regen.jsonl' -e '/synth' -e '/sample_' -e '/all_prompts' \
+    | grep -v -e '/compile_cache/' -e '/prompts.jsonl' -e '/regen.jsonl' -e '/synth' -e '/sample_' -e '/all_prompts' \
     | tar czf "$tmp" -T -) && mv "$tmp" "$RET/results.tgz"
 }
 

@@ -14,8 +14,8 @@
 #   train_b16  dflash_b16 and dflash2_b16 from INIT, both at once on the GPU (their
 #              throughput is not what this measures)
 #   train_b8   dflash_b8 and dflash2_b8 from INIT (block 8, gamma 4), likewise
-#   eval       every trained drafter served side by side (plus dflash_b16 with argmax drafts
-#              from its own distribution at t > 0), then the weights packed
+#   eval       dflash2_b16's weights packed, then every trained drafter served side by side
+#              (plus dflash_b16 with argmax drafts from its own distribution at t > 0)
 # Inputs: REGEN (the target's answers to 10,752 ShareGPT prompts, kept in benchmarks/results),
 #   INIT (the published drafter; training waits up to INIT_WAIT seconds for it to appear),
 #   the SmolLM2 and eval-set asset packages
@@ -94,13 +94,12 @@ eval_all() {
   fi
   local dev=()
   [ "$DEVICE" = cuda ] || dev=(--device cpu --decode eager)
+  # The weights first: a job whose time ends during the evaluation still brings them back.
+  pack_weights dflash2_b16
   "$PY" benchmarks/dflash2_vs_dflash.py "${args[@]}" --sets "${SETS:-gsm8k,mt-bench,humaneval}" \
     --samples "${SAMPLES:-40}" --max-new-tokens "${EVAL_NEW_TOKENS:-256}" \
     --temperatures "${TEMPS:-0,1}" --candidate-responses "${CAND_RESPONSES:-10}" \
     --out "$OUT/eval" "${dev[@]}" > "$OUT/eval.log" 2>&1
-  local rc=$?
-  pack_weights dflash2_b16
-  return $rc
 }
 
 pack_weights() {  # a run's final drafter files in bf16, in parts under 16 MB

@@ -21,17 +21,20 @@
 #            with no new turn left out (counted)
 #   train    `dflash train --init-from $OUT/init` to the end of its schedule (a fresh optimizer,
 #            the schedule's warmup again); an interrupted run resumes from its checkpoint
-#   eval     the new drafter exported (z-lab layout, bf16, its lineage carried) and served beside
+#   export   the new drafter exported (z-lab layout, bf16, its lineage carried)
+#   pack     the export in parts under 15 MB ($RET/drafter.tgz.part-*), before the evaluation,
+#            so a job cut short still brings its drafter back; job.json says whether to publish
+#   eval     the export served beside
 #            INIT (benchmarks/dflash2_vs_dflash.py: one CUDA-graph target-only baseline per set
 #            and temperature; GSM8K, MT-Bench both turns, HumanEval; t=0 and t=1); the numbers
 #            attached to both continuations; $OUT/job.json says which drafter is better on the
 #            mean t=0 tau; the lineage curve (benchmarks/lineage_curve.py)
-#   pack     the new drafter in parts under 15 MB ($RET/drafter.tgz.part-*), always: job.json
-#            says whether to publish it
 # Inputs: INIT (drafters/smollm2-135m-dflash-b16), the SmolLM2, corpora and eval-set asset
 #   packages (benchmarks/offline_bundle.sh).
 # Knobs: REGEN_SECONDS (900), SYNTH_N (20000), SEED, MIX (smollm2-mix; "" for none), STEPS (the
-#   recipe's epochs when empty), LR (3e-4), WARMUP (0.02), SAMPLES (40), EVAL_NEW_TOKENS (256),
+#   recipe's epochs when empty), EPOCHS (the recipe's 6 when empty), LR (3e-4), WARMUP (0.02),
+#   SAMPLES (40), EVAL_NEW_TOKENS (256), ALSO_GREEDY (1: the new drafter served once more with
+#   argmax drafts at t > 0; 0 saves that evaluation),
 #   ENGINE_ARGS ("--batch-size 1024 --compile-decode --decode-sdpa cudnn --prefill-sdpa cudnn"),
 #   GENESIS_MIX (smollm2-mix), GENESIS_SYNTH (10000), GENESIS_STEPS (1200), GENESIS_TURNS
 #   (102927), GENESIS_TOKENS (11447505), GENESIS_DOCS (40646), DEVICE (cuda; cpu rehearses
@@ -138,6 +141,7 @@ train() {
   [ -e "$OUT/run/checkpoints/LATEST" ] && args=(--resume "$OUT/run")
   local steps=()
   [ -n "${STEPS:-}" ] && steps=("training.max_steps=$STEPS")
+  [ -n "${EPOCHS:-}" ] && steps+=("training.epochs=$EPOCHS")
   $DFLASH train "${args[@]}" "data.train=$OUT/prep" "run.output_dir=$OUT/run" \
     "training.lr=${LR:-3e-4}" "training.warmup_ratio=${WARMUP:-0.02}" training.eval_every=0 \
     "${steps[@]}" "${TRAIN_DEVICE[@]}" > "$OUT/train.log" 2>&1
@@ -146,14 +150,19 @@ train() {
   return $rc
 }
 
+export_drafter() {
+  $DFLASH export "$OUT/run" --to zlab "$OUT/export" --force > "$OUT/export.log" 2>&1
+}
+
 serve() {
-  local k
-  k="$(continuations "$OUT/run")" || return 1
-  $DFLASH export "$OUT/run" --to zlab "$OUT/export" --force > "$OUT/export.log" 2>&1 || return 1
+  local k also=()
+  [ -e "$OUT/export/lineage.json" ] || { echo "no exported drafter (the export stage)"; return 1; }
+  k="$(continuations "$OUT/export")" || return 1
   # At t > 0 both drafters draft by sampling (dflash eval's default), and the new one once
-  # more with argmax drafts, so the two modes stay comparable job after job.
+  # more with argmax drafts (ALSO_GREEDY=1), so the two modes stay comparable job after job.
+  [ "${ALSO_GREEDY:-1}" = 1 ] && also=(--also "new_greedy=$OUT/export:greedy")
   "$PY" benchmarks/dflash2_vs_dflash.py --drafter "new=$OUT/export" --drafter "published=$OUT/init" \
-    --also "new_greedy=$OUT/export:greedy" \
+    "${also[@]}" \
     --sets "${SETS:-gsm8k,mt-bench,humaneval}" --samples "${SAMPLES:-40}" --candidates 0 \
     --max-new-tokens "${EVAL_NEW_TOKENS:-256}" --temperatures 0,1 --out "$OUT/eval" \
     "${EVAL_DEVICE[@]}" > "$OUT/eval.log" 2>&1 || return 1
@@ -173,9 +182,10 @@ pack_drafter() {
   ls -l "$RET"
 }
 
-for s in ${STAGES:-setup regen prepare train eval pack}; do
+for s in ${STAGES:-setup regen prepare train export pack eval}; do
   case $s in
     setup | regen | prepare | train) stage "$s" "$s" ;;
+    export) stage export export_drafter ;;
     eval) stage eval serve ;;
     pack) stage pack pack_drafter ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
