@@ -214,6 +214,37 @@ def test_walk_sample_draws_from_q():
     assert ((counts - expect).abs() / expect.sqrt()).max() < 4.5
 
 
+def stepwise_sample(lattice: torch.Tensor, temperature: float, uniforms: torch.Tensor):
+    """The walk slot by slot: each slot's row picked by the previous choice, then drawn."""
+    picks, rows, prev = [], [], 0
+    for s in range(lattice.shape[0]):
+        q = torch.softmax(lattice[s, prev] / temperature, -1)
+        cdf = q.cumsum(0)
+        prev = int(
+            torch.searchsorted(cdf, (uniforms[s] * cdf[-1]).view(1)).clamp(max=q.numel() - 1)
+        )
+        picks.append(prev)
+        rows.append(q)
+    return picks, torch.stack(rows)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 7, 15, 16])
+def test_batched_walks_equal_the_slot_by_slot_walks(slots):
+    torch.manual_seed(slots)
+    for trial in range(30):
+        k = 1 + trial % 6
+        # Integer scores make ties common: both must break them to the lower index.
+        lat = (
+            torch.randint(-2, 3, (slots, k, k)).double() if trial % 2 else torch.randn(slots, k, k)
+        )
+        assert walk_greedy(lat).tolist() == brute_greedy(lat)
+        u = torch.rand(slots, dtype=torch.float64)
+        picks, q = walk_sample(lat, 0.7, u)
+        want_picks, want_q = stepwise_sample(lat, 0.7, u)
+        assert picks.tolist() == want_picks
+        torch.testing.assert_close(q, want_q.to(q.dtype))
+
+
 def _selector_case():
     torch.manual_seed(0)
     n, b, h, v, k = 3, 5, 8, 30, 4
