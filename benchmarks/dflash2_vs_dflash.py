@@ -14,13 +14,15 @@ walked tau, the oracle top-K tau and per-slot recall@1 / recall@K.
 temperature > 0 (e.g. `:greedy`, a drafter's argmax drafts; by default both kinds sample).
 
 Writes OUT/dflash2_vs_dflash.json as {"<name>": {"<set>": {"t0": {...}, "t1": {...}}}} after
-every measurement (a run cut short keeps what it measured) and OUT/<name>_<set>_t<T>.json
+every measurement (a run cut short keeps what it measured; a later run into the same OUT, at
+other temperatures or sets, adds to what is there) and OUT/<name>_<set>_t<T>.json
 with each evaluation's full report.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -149,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     models, drafters = _drafters(args)
     summary: dict[str, Any] = {"environment": models.identity["environment"]}
+    earlier = Path(args.out) / "dflash2_vs_dflash.json"
+    if earlier.exists():  # a run at other temperatures or sets into the same OUT adds to it
+        for name, sets in json.loads(earlier.read_text()).items():
+            if name != "environment" and isinstance(sets, dict):
+                summary[name] = sets
     for temp in [float(t) for t in args.temperatures.split(",")]:
         for set_name in args.sets.split(","):
             _one_set(args, models, drafters, temp, set_name, summary)

@@ -33,7 +33,8 @@
 #   packages (benchmarks/offline_bundle.sh).
 # Knobs: REGEN_SECONDS (900), SYNTH_N (20000), SEED, MIX (smollm2-mix; "" for none), STEPS (the
 #   recipe's epochs when empty), EPOCHS (the recipe's 6 when empty), LR (3e-4), WARMUP (0.02),
-#   SAMPLES (40), EVAL_NEW_TOKENS (256), ALSO_GREEDY (1: the new drafter served once more with
+#   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"; an eval stage run again with other
+#   temperatures adds to the comparison JSON), ALSO_GREEDY (1: the new drafter served once more with
 #   argmax drafts at t > 0; 0 saves that evaluation),
 #   ENGINE_ARGS ("--batch-size 1024 --compile-decode --decode-sdpa cudnn --prefill-sdpa cudnn"),
 #   GENESIS_MIX (smollm2-mix), GENESIS_SYNTH (10000), GENESIS_STEPS (1200), GENESIS_TURNS
@@ -164,7 +165,7 @@ serve() {
   "$PY" benchmarks/dflash2_vs_dflash.py --drafter "new=$OUT/export" --drafter "published=$OUT/init" \
     "${also[@]}" \
     --sets "${SETS:-gsm8k,mt-bench,humaneval}" --samples "${SAMPLES:-40}" --candidates 0 \
-    --max-new-tokens "${EVAL_NEW_TOKENS:-256}" --temperatures 0,1 --out "$OUT/eval" \
+    --max-new-tokens "${EVAL_NEW_TOKENS:-256}" --temperatures "${TEMPS:-0,1}" --out "$OUT/eval" \
     "${EVAL_DEVICE[@]}" > "$OUT/eval.log" 2>&1 || return 1
   local report="$OUT/eval/dflash2_vs_dflash.json"
   $DFLASH lineage add-eval "$OUT/export" "$report" --name new \
