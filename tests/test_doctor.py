@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_spec
 
 from dflash_trainer import cli
 from dflash_trainer.config import load_config
@@ -227,6 +228,51 @@ def test_init_from_a_drafter_of_another_target_fails(tmp_path):
     d = save_drafter_files(tmp_path / "drafter", spec, state)
     msg = _failing(_doctor([f"drafter.init_from={d}"]), "geometry.init_from")
     assert "num_layers: 1 there vs 5 here" in msg and "intermediate_size" in msg
+
+
+def test_init_from_a_zlab_export_is_compared_by_its_config(tmp_path):
+    from dflash_trainer.config import TargetConfig
+    from dflash_trainer.core.geometry import resolve_drafter_spec
+    from dflash_trainer.formats.zlab import zlab_config
+    from dflash_trainer.target.configs import load_target_config
+
+    small = load_config(
+        recipe=QWEN36,
+        overrides=["drafter.num_layers=1", "drafter.layer_types=null"],
+    )
+    spec = resolve_drafter_spec(
+        small.drafter, load_target_config(TargetConfig(name_or_path="Qwen/Qwen3.6-27B"))
+    )
+    # The check reads the export's config.json only (no weights are needed to compare).
+    d = tmp_path / "zlab"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(zlab_config(spec, "bfloat16")))
+    msg = _failing(_doctor([f"drafter.init_from={d}"]), "geometry.init_from")
+    assert "num_layers: 1 there vs 5 here" in msg
+    same = _doctor([f"drafter.init_from={d}", "drafter.num_layers=1", "drafter.layer_types=null"])
+    assert [c.status for c in same.checks if c.id == "geometry.init_from"] == ["pass"]
+
+
+def test_a_sliding_window_no_layer_uses_is_no_difference():
+    import dataclasses
+
+    from dflash_trainer.core.geometry import init_differences
+
+    spec = make_spec()
+    full = dataclasses.replace(spec, layer_types=("full_attention",) * len(spec.layer_types))
+    assert (
+        init_differences(
+            dataclasses.replace(full, sliding_window=None),
+            dataclasses.replace(full, sliding_window=2048),
+        )
+        == {}
+    )
+    mixed = dataclasses.replace(full, layer_types=("sliding_attention", *full.layer_types[1:]))
+    diffs = init_differences(
+        dataclasses.replace(mixed, sliding_window=1024),
+        dataclasses.replace(full, sliding_window=2048),
+    )
+    assert diffs["sliding_window"] == (1024, 2048) and "layer_types" in diffs
 
 
 def test_dflash2_fields_are_checked_against_the_target():

@@ -79,11 +79,15 @@ def init_differences(theirs: DrafterSpec, mine: DrafterSpec) -> dict[str, tuple[
 
     A DFlash drafter may start a DFlash2 run: the backbone must match and the new modules
     start as no-ops, so the DFlash2 fields are not compared then. The block size is no
-    weight's dimension: a drafter trained at one block size may continue at another.
+    weight's dimension: a drafter trained at one block size may continue at another. The
+    sliding window is compared only where a layer of either uses it: an export of a drafter
+    with full attention everywhere records none, whatever the config it came from said.
     """
     skip: tuple[str, ...] = ("block_size",)
     if (theirs.kind, mine.kind) == ("dflash", "dflash2"):
         skip += DFLASH2_FIELDS
+    if "sliding_attention" not in (*theirs.layer_types, *mine.layer_types):
+        skip += ("sliding_window",)
     a, b = theirs.to_dict(), mine.to_dict()
     return {k: (a[k], b[k]) for k in a if k not in skip and a[k] != b[k]}
 

@@ -296,24 +296,41 @@ def check_layers(cfg: Config, t: Any) -> list[Check]:
     return out
 
 
+def _init_from_spec(path: str) -> DrafterSpec:
+    """The geometry of the drafter at `path` without reading its weights: this tool's
+    spec.json, else a z-lab export's config.json (what `drafter.init_from` also accepts)."""
+    from pathlib import Path
+
+    from dflash_trainer.formats.check import read_config
+    from dflash_trainer.formats.drafter_io import SPEC_FILE, resolve_drafter_dir
+    from dflash_trainer.formats.export import detect_format
+    from dflash_trainer.formats.zlab import spec_from_zlab_config
+
+    try:
+        text = read_small_text(resolve_drafter_dir(path) / SPEC_FILE, "drafter spec")
+        return DrafterSpec.from_dict(json.loads(text))
+    except DFlashError:
+        p = Path(path)
+        if not (p.is_dir() and detect_format(p) == "zlab"):
+            raise
+        return spec_from_zlab_config(read_config(p), str(p / "config.json"))[0]
+
+
 def check_init_from(cfg: Config, t: Any) -> list[Check]:
     """A drafter to start from must match the target's shared dims and this geometry."""
     path = cfg.drafter.init_from
     if not path:
         return []
-    from dflash_trainer.formats.drafter_io import SPEC_FILE, resolve_drafter_dir
-
     try:
-        theirs = DrafterSpec.from_dict(
-            json.loads(read_small_text(resolve_drafter_dir(path) / SPEC_FILE, "drafter spec"))
-        )
+        theirs = _init_from_spec(path)
     except (DFlashError, ValueError, RecursionError, TypeError, KeyError, AttributeError) as e:
         return [
             Check(
                 "geometry.init_from",
                 "skip",
-                f"drafter.init_from={path}: no dflash spec.json to compare ({e})",
-                "for z-lab / speculators layouts, `dflash import` it first",
+                f"drafter.init_from={path}: no drafter geometry to compare ({e})",
+                "give a run directory, this tool's drafter files or a z-lab export; "
+                "for a speculators export, `dflash import` it first",
             )
         ]
     try:
