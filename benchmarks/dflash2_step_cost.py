@@ -59,7 +59,7 @@ def _twins(path: str, device: str | None) -> tuple[Any, dict[str, DFlashDrafter]
 
 
 def _one(
-    models: Any, model: DFlashDrafter, cfg: EvalConfig, set_name: str, baseline: bool
+    models: Any, model: DFlashDrafter, cfg: EvalConfig, set_name: str, baseline: bool, decode: str
 ) -> dict[str, Any]:
     ps = load_prompt_set(set_name, cfg.max_samples, 0)
     res = evaluate_prompts(
@@ -71,6 +71,7 @@ def _one(
         baseline=baseline,
         prompt_ids=[q.id for q in ps.prompts],
         warmup=True,
+        decode=decode,
     )
     tpot = res["speculative"]["tpot_ms"]
     return {
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--decode", default="auto", help="auto: CUDA graphs on a GPU, else eager")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             rows: dict[str, Any] = {}
             for name, model in twins.items():
                 t0 = time.perf_counter()
-                rows[name] = _one(models, model, cfg, set_name, baseline=not rows)
+                rows[name] = _one(models, model, cfg, set_name, not rows, args.decode)
                 base = rows["dflash"]
                 rows[name]["extra_step_ms"] = rows[name]["step_ms"] - base["step_ms"]
                 rows[name]["speedup"] = base["baseline_tpot_ms"] / rows[name]["tpot_ms"]

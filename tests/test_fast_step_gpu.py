@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import tiny_config
+from trainer_utils import tiny_config, write_tiny_target
 
 from dflash_trainer.core.packing import pack_documents
 from dflash_trainer.train.fast_layout import build_chunks, layout_rows, pack_chunk
@@ -16,11 +17,13 @@ from dflash_trainer.train.trainer import Trainer
 pytestmark = pytest.mark.gpu
 
 
-def cuda_config(tmp_path, name: str, **training):
-    # head_dim 16: compiled FlexAttention on CUDA has no smaller kernel.
+def cuda_config(tmp_path, name: str, target: Path | None = None, **training):
+    # head_dim 16: compiled FlexAttention on CUDA has no smaller kernel (`target`: a tiny
+    # target of wider heads, for the tests that run the target through it too).
+    where = {"name_or_path": str(target)} if target is not None else {}
     return tiny_config(
         tmp_path,
-        target={"dtype": "bfloat16"},
+        target={"dtype": "bfloat16", **where},
         drafter={"head_dim": 16},
         training={"device": "cuda", "precision": "bf16", **training},
         run={"output_dir": str(tmp_path / name)},
@@ -102,7 +105,8 @@ def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
     """training.target_attention=flex: the whole pack as one sequence, its block mask and
     compiled FlexAttention captured in one graph, give the dense rows' features in bf16; and
     the fast step with it trains like the dense one."""
-    cfg = cuda_config(tmp_path, "flex", step_path="fast", compile=True)
+    wide = write_tiny_target(tmp_path / "target_head16", hidden_size=64)
+    cfg = cuda_config(tmp_path, "flex", wide, step_path="fast", compile=True)
     tr = Trainer(cfg, log_to_console=False)
     assert tr.fast is not None
     shapes = tr.fast.shapes
@@ -127,7 +131,7 @@ def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
     assert tr.target.model.config._attn_implementation == "sdpa"
     runs = {}
     for attention in ("dense", "flex"):
-        cfg = cuda_config(tmp_path, attention, step_path="fast", target_attention=attention)
+        cfg = cuda_config(tmp_path, attention, wide, step_path="fast", target_attention=attention)
         t = Trainer(cfg, log_to_console=False)
         runs[attention] = [t.train_step() for _ in range(3)]
     for d, f in zip(runs["dense"], runs["flex"]):

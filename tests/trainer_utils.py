@@ -15,11 +15,16 @@ from dflash_trainer.data.shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST, Sh
 VOCAB = 64
 
 
-def write_tiny_target(path: Path, vocab_size: int = VOCAB, initializer_range: float = 0.3) -> Path:
-    """A 4-layer llama (random weights, saved as safetensors) the trainer loads like any HF model."""
+def write_tiny_target(
+    path: Path, vocab_size: int = VOCAB, initializer_range: float = 0.3, hidden_size: int = 32
+) -> Path:
+    """A 4-layer llama (random weights, saved as safetensors) the trainer loads like any HF model.
+
+    4 heads: head_dim is hidden_size / 4 (8 by default; compiled FlexAttention on CUDA needs
+    at least 16, so a test that runs the target through it passes hidden_size=64)."""
     cfg = AutoConfig.for_model(
         "llama",
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=4,
         num_attention_heads=4,
