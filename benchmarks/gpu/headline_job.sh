@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu/headline_job.sh
 #   DEVICE=cpu OUT=/tmp/job bash benchmarks/gpu/headline_job.sh     # the CPU rehearsal
 #
-# Stages (STAGES, in order; finished ones skipped, a failed one reported and the next run):
+# Stages (STAGES, in order; finished ones skipped, a failed one reported and the next run; one
+#   that works on an earlier stage's output fails at once while that stage has not finished):
 #   setup    INIT copied to $OUT/init; a drafter without lineage.json gets its first
 #            continuation recorded (`dflash lineage init`): every prompt id of the data it was
 #            trained on (GENESIS_MIX's prompts and GENESIS_SYNTH synthesized ids, as
@@ -33,7 +34,8 @@
 #   packages (benchmarks/offline_bundle.sh).
 # Knobs: REGEN_SECONDS (900), SYNTH_N (20000), SEED, MIX (smollm2-mix; "" for none), STEPS (the
 #   recipe's epochs when empty), EPOCHS (the recipe's 6 when empty), LR (3e-4), WARMUP (0.02),
-#   SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"; an eval stage run again with other
+#   MIN_RECORDS (200: fewer regenerated conversations fail the regen stage; the time limit
+#   includes the engine's compile, about 80 s), SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"; an eval stage run again with other
 #   temperatures adds to the comparison JSON), ALSO_GREEDY (1: the new drafter served once more with
 #   argmax drafts at t > 0; 0 saves that evaluation),
 #   ENGINE_ARGS ("--batch-size 1024 --compile-decode --decode-sdpa cudnn --prefill-sdpa cudnn"),
@@ -68,11 +70,16 @@ else  # the rehearsal: the same commands at sizes a CPU runs in minutes
   ENGINE_ARGS="--batch-size 4" SYNTH_N="${SYNTH_N:-4}" REGEN_SECONDS="${REGEN_SECONDS:-60}"
   SYNTH_ARGS=(--backend hf --max-new-tokens 64)
   REGEN_NEW_TOKENS="${REGEN_NEW_TOKENS:-24}" STEPS="${STEPS:-2}" SAMPLES="${SAMPLES:-1}"
+  MIN_RECORDS="${MIN_RECORDS:-1}"
   EVAL_NEW_TOKENS="${EVAL_NEW_TOKENS:-8}" SETS="${SETS:-gsm8k,mt-bench}"
   TRAIN_DEVICE=(training.device=cpu data.max_doc_tokens=512 data.token_budget=2048
     training.max_anchors=64)
   EVAL_DEVICE=(--device cpu --decode eager)
 fi
+
+needs() {  # a stage that works on what an earlier one made runs only after it finished
+  [ -e "$OUT/done_$1" ] || { echo "the $1 stage has not finished: nothing to work on"; return 1; }
+}
 
 continuations() {  # recorded continuations of the drafter at $1
   $DFLASH lineage show "$1" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["continuations"])'
@@ -122,12 +129,20 @@ regen() {
     --max-new-tokens "${REGEN_NEW_TOKENS:-512}" --max-conversation-tokens 4096 --seed "$seed" \
     --device "$DEVICE" --no-progress --stop-loops --exclude-lineage "$OUT/init" \
     --time-limit "${REGEN_SECONDS:-900}" $ENGINE_ARGS > "$d/regen.log" 2>&1
-  local rc=$?
+  local rc=$? n
   tail -n 3 "$d/regen.log"
-  return $rc
+  [ $rc = 0 ] || return $rc
+  # The time limit counts the engine's compile (about 80 s on an H200): a limit near it
+  # answers almost nothing, and a continuation on a handful of turns is no job.
+  n="$(wc -l < "$d/regen.jsonl")"
+  if [ "$n" -lt "${MIN_RECORDS:-200}" ]; then
+    echo "only $n conversations regenerated in REGEN_SECONDS=${REGEN_SECONDS:-900} s (MIN_RECORDS=${MIN_RECORDS:-200}): raise REGEN_SECONDS; rerunning the stage continues them"
+    return 1
+  fi
 }
 
 prepare() {
+  needs regen || return 1
   $DFLASH data prepare --input "$OUT/regen/regen.jsonl" --tokenizer "$MODEL" --out "$OUT/prep" \
     --eval-fraction 0.01 --loop-tails mask --exclude-lineage "$OUT/init" --overwrite \
     > "$OUT/prepare.log" 2>&1
@@ -138,6 +153,7 @@ prepare() {
 
 train() {
   [ -e "$OUT/run/drafter/lineage.json" ] && return 0
+  needs prepare || return 1
   local args=(--recipe smollm2-135m --init-from "$OUT/init")
   [ -e "$OUT/run/checkpoints/LATEST" ] && args=(--resume "$OUT/run")
   local steps=()
@@ -152,6 +168,7 @@ train() {
 }
 
 export_drafter() {
+  needs train || return 1
   $DFLASH export "$OUT/run" --to zlab "$OUT/export" --force > "$OUT/export.log" 2>&1
 }
 
