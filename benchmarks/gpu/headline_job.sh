@@ -48,6 +48,10 @@
 # Runtime on one H100 (estimated from benchmarks/data_scale_smollm2_h200_202612.md and the
 #   headline run): setup ~2 min, regen REGEN_SECONDS + ~3 min (synthesis, compile), prepare
 #   ~1 min, train ~9 min for 6 epochs of ~40k conversations, eval ~15 min, pack <1 min.
+#   Measured on an H200: synthesis of SYNTH_N=5000 about 190 s (3,611 kept), the regeneration
+#   engine's compile 80 s of REGEN_SECONDS; at 40 prompts a set, each drafter's t=0 or t=1
+#   pass over the three sets about 2 min, plus one target-only baseline per set and
+#   temperature (about 2 min a temperature).
 #   The CPU rehearsal on 2 shared cores: setup 32 s (the genesis: 45,041 prompt ids), regen
 #   169 s (35,041 mixture prompts left out as recorded, 2 synthesized ones regenerated), prepare
 #   6 s, train 49 s (2 steps), eval 233 s (1 prompt a set, 8 tokens), pack 3 s (3 parts).
