@@ -153,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"environment": models.identity["environment"]}
     earlier = Path(args.out) / "dflash2_vs_dflash.json"
     if earlier.exists():  # a run at other temperatures or sets into the same OUT adds to it
-        for name, sets in json.loads(earlier.read_text()).items():
+        try:
+            before = json.loads(earlier.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(
+                f"{earlier}: unreadable ({e}); move it away or give another --out"
+            ) from e
+        if not isinstance(before, dict):
+            raise SystemExit(f"{earlier}: not a comparison summary; give another --out")
+        for name, sets in before.items():
             if name != "environment" and isinstance(sets, dict):
                 summary[name] = sets
     for temp in [float(t) for t in args.temperatures.split(",")]:
