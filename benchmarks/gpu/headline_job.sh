@@ -85,6 +85,10 @@ needs() {  # a stage that works on what an earlier one made runs only after it f
   [ -e "$OUT/done_$1" ] || { echo "the $1 stage has not finished: nothing to work on"; return 1; }
 }
 
+case "${MIN_RECORDS:-200}" in
+  '' | *[!0-9]*) echo "MIN_RECORDS=${MIN_RECORDS} must be a whole number" >&2; exit 2 ;;
+esac
+
 continuations() {  # recorded continuations of the drafter at $1
   $DFLASH lineage show "$1" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["continuations"])'
 }
