@@ -214,6 +214,11 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         proc.wait()
+        # A SIGKILL is delivered asynchronously: return once no member still runs (their
+        # memory and the port are free then), or after a bounded wait.
+        deadline = time.monotonic() + 10.0
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self._log is not None:
             self._log.close()
             self._log = None
