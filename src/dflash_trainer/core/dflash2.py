@@ -33,6 +33,7 @@ earlier slots were all right, that is exactly the token the walk chose.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_trainer.core.fused_head import upcast
@@ -65,28 +66,30 @@ class GroupedDynamicConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def coefficients(self, x_QH: torch.Tensor) -> torch.Tensor:
-        """D [Q, 2, k, G] from the sublayer's normed input."""
-        q = x_QH.shape[0]
-        return self.kernel_projection(x_QH).view(q, 2, self.kernel_size, self.groups)
+        """Both sides' per-slot kernels base + D, [Q, 2, G, g, k], taps in window order.
+
+        Window position i holds tap k - 1 - i (the slot k - 1 - i before), so one multiply and
+        one sum apply every tap: a sublayer's two sides are about 10 small ops in all, which
+        is what a decoding step with a small target pays for them.
+        """
+        q, k = x_QH.shape[0], self.kernel_size
+        d = self.kernel_projection(x_QH).view(q, 2, k, self.groups, 1)
+        base = self.base_kernel.to(d.dtype).view(1, 2, k, self.groups, self.group_size)
+        return (base + d).flip(2).permute(0, 1, 3, 4, 2)
 
     def apply_side(
-        self, side: int, x_QH: torch.Tensor, d_Q2kG: torch.Tensor, block_len: int
+        self, side: int, x_QH: torch.Tensor, w_Q2Ggk: torch.Tensor, block_len: int
     ) -> torch.Tensor:
         """sum_j (base[side, j] + D[:, side, j]) * x shifted j slots inside each block."""
         q, h = x_QH.shape
         n = q // block_len
         assert n * block_len == q, "rows must be whole blocks"
-        g, groups = self.group_size, self.groups
-        xs = x_QH.view(n, block_len, groups, g)
-        base = self.base_kernel[side].to(x_QH.dtype).view(self.kernel_size, groups, g)
-        dyn = d_Q2kG[:, side].to(x_QH.dtype).view(n, block_len, self.kernel_size, groups, 1)
-        out = (base[0] + dyn[:, :, 0]) * xs
-        for j in range(1, min(self.kernel_size, block_len)):
-            # Slot t reads slot t - j of its own block; the first j slots read zero.
-            shifted = torch.zeros_like(xs)
-            shifted[:, j:] = xs[:, :-j]
-            out = out + (base[j] + dyn[:, :, j]) * shifted
-        return out.reshape(q, h)
+        k = self.kernel_size
+        xs = x_QH.view(n, block_len, self.groups, self.group_size)
+        # k - 1 zero slots before each block: a tap never reads another block or the context.
+        windows = F.pad(xs, (0, 0, 0, 0, k - 1, 0)).unfold(1, k, 1)  # [n, L, G, g, k]
+        w = w_Q2Ggk[:, side].unflatten(0, (n, block_len)).to(x_QH.dtype)
+        return (windows * w).sum(-1).reshape(q, h)
 
 
 class CandidateSelector(nn.Module):

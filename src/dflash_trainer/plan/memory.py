@@ -283,8 +283,8 @@ def drafter_memory(
     if loss in ("kl", "lk"):
         inputs["target_hidden_rows"] = float(lm_head_bytes * q * h)
     if spec.is_dflash2:
-        # Saved for backward: each convolution's shifted copies and coefficients (k + 1 rows of
-        # [Q, H] a side), and the selector's gathered codebook rows and scores over R x K.
+        # Saved for backward: each convolution's padded input and per-slot kernels (about
+        # k + 1 rows of [Q, H] a side), and the selector's codebook rows and scores over R x K.
         k, rk = spec.conv_kernel_size, r * spec.selector_top_k
         inputs["dflash2_convolutions"] = float(spec.num_layers * 2 * 2 * (k + 1) * a * q * h)
         inputs["selector_scores"] = float(4.0 * rk * spec.selector_rank * 3 + 4.0 * rk)
