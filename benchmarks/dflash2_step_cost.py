@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.loading import load_eval_models
 from dflash_trainer.eval.prompts import load_prompt_set, set_label
@@ -59,9 +61,8 @@ def _twins(path: str, device: str | None) -> tuple[Any, dict[str, DFlashDrafter]
 
 
 def _one(
-    models: Any, model: DFlashDrafter, cfg: EvalConfig, set_name: str, baseline: bool, decode: str
+    models: Any, model: DFlashDrafter, cfg: EvalConfig, ps: Any, baseline: bool, decode: str
 ) -> dict[str, Any]:
-    ps = load_prompt_set(set_name, cfg.max_samples, 0)
     res = evaluate_prompts(
         model,
         models.target,
@@ -84,41 +85,49 @@ def _one(
     }
 
 
+def _temperatures(text: str) -> list[float]:
+    """An argparse type: comma-separated temperatures, each through the project's own gate."""
+    one = num.temperature()
+    return [one(t) for t in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="a DFlash drafter (run dir or export)")
     ap.add_argument("--sets", default="gsm8k,mt-bench")
-    ap.add_argument("--samples", type=int, default=40)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--samples", type=num.count(), default=40)
+    ap.add_argument("--max-new-tokens", type=num.count(), default=256)
+    ap.add_argument("--temperatures", type=_temperatures, default="0,1")
     ap.add_argument("--device", default=None)
     ap.add_argument("--decode", default="auto", help="auto: CUDA graphs on a GPU, else eager")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # Every drafter and temperature on the same prompts: each set read once, before the models.
+    sets = [load_prompt_set(name, args.samples, 0) for name in args.sets.split(",")]
     models, twins = _twins(args.drafter, args.device)
     summary: dict[str, Any] = {"environment": models.identity["environment"], "runs": {}}
-    for temp in [float(t) for t in args.temperatures.split(",")]:
+    for temp in args.temperatures:
         cfg = EvalConfig(
             max_new_tokens=args.max_new_tokens, temperature=temp, max_samples=args.samples
         )
-        for set_name in args.sets.split(","):
+        for ps in sets:
             rows: dict[str, Any] = {}
             for name, model in twins.items():
                 t0 = time.perf_counter()
-                rows[name] = _one(models, model, cfg, set_name, not rows, args.decode)
+                rows[name] = _one(models, model, cfg, ps, not rows, args.decode)
                 base = rows["dflash"]
                 rows[name]["extra_step_ms"] = rows[name]["step_ms"] - base["step_ms"]
                 rows[name]["speedup"] = base["baseline_tpot_ms"] / rows[name]["tpot_ms"]
                 print(
-                    f"t{temp:g} {set_name:10s} {name:22s} tau {rows[name]['tau']:.3f} step "
+                    f"t{temp:g} {set_label(ps.name):10s} {name:22s} tau {rows[name]['tau']:.3f} step "
                     f"{rows[name]['step_ms']:.3f} ms (+{rows[name]['extra_step_ms']:.3f}) "
                     f"speedup {rows[name]['speedup']:.3f} ({time.perf_counter() - t0:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-            summary["runs"].setdefault(set_label(set_name), {})[f"t{temp:g}"] = rows
+            summary["runs"].setdefault(set_label(ps.name), {})[f"t{temp:g}"] = rows
             write_json(summary, out / "dflash2_step_cost.json")
     print(f"wrote {out / 'dflash2_step_cost.json'}")
     return 0
@@ -126,4 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except DFlashError as e:  # a missing drafter, an unknown prompt set: the message, no trace
+        raise SystemExit(f"dflash2_step_cost.py: error: {e}") from None
