@@ -25,7 +25,7 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +43,7 @@ from dflash_trainer.train.drafter_init import init_drafter_from
 def _twins(path: str, device: str | None) -> tuple[Any, dict[str, DFlashDrafter]]:
     """The loaded target and drafter, and the drafter's DFlash2 twins (same device, dtype)."""
     models = load_eval_models(path, device=device)
-    base = models.drafter
+    base = cast(DFlashDrafter, models.drafter)  # what load_eval_models reads: a DFlashDrafter
     if base.spec.is_dflash2:
         raise SystemExit(f"{path}: give a DFlash drafter (this one is DFlash2)")
     spec2 = dataclasses.replace(base.spec, kind="dflash2")
@@ -54,8 +54,7 @@ def _twins(path: str, device: str | None) -> tuple[Any, dict[str, DFlashDrafter]
         init_drafter_from(model, spec2, path, lambda _msg: None)
         if name == "dflash2_selector_only":
             for layer in model.layers:  # a measurement variant: no convolution runs at all
-                layer.attention_conv = None
-                layer.mlp_conv = None
+                layer.attention_conv = layer.mlp_conv = None  # type: ignore[assignment]
         twins[name] = model.to(device=p.device, dtype=p.dtype).eval()
     return models, twins
 
@@ -85,19 +84,13 @@ def _one(
     }
 
 
-def _temperatures(text: str) -> list[float]:
-    """An argparse type: comma-separated temperatures, each through the project's own gate."""
-    one = num.temperature()
-    return [one(t) for t in text.split(",")]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="a DFlash drafter (run dir or export)")
     ap.add_argument("--sets", default="gsm8k,mt-bench")
     ap.add_argument("--samples", type=num.count(), default=40)
     ap.add_argument("--max-new-tokens", type=num.count(), default=256)
-    ap.add_argument("--temperatures", type=_temperatures, default="0,1")
+    ap.add_argument("--temperatures", type=num.temperatures(), default="0,1")
     ap.add_argument("--device", default=None)
     ap.add_argument("--decode", default="auto", help="auto: CUDA graphs on a GPU, else eager")
     ap.add_argument("--out", required=True)

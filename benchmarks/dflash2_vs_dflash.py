@@ -26,10 +26,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.eval.evaluate import evaluate_prompts
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sets", default="gsm8k,mt-bench,humaneval")
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--temperatures", type=num.temperatures(), default="0,1")
     ap.add_argument("--candidates", type=int, default=16, help="K of the t=0 walk (0 = off)")
     ap.add_argument("--candidate-responses", type=int, default=10)
     ap.add_argument("--decode", default="auto")
@@ -84,13 +85,14 @@ def _drafters(args: argparse.Namespace) -> tuple[Any, dict[str, tuple[DFlashDraf
     """The loaded models (the target with the first drafter) and {name: (drafter, sampling)}."""
     named = [d.split("=", 1) for d in args.drafter]
     first = load_eval_models(named[0][1], device=args.device)
-    drafters: dict[str, tuple[DFlashDrafter, str]] = {named[0][0]: (first.drafter, "auto")}
+    like = cast(DFlashDrafter, first.drafter)  # what load_eval_models reads: a DFlashDrafter
+    drafters: dict[str, tuple[DFlashDrafter, str]] = {named[0][0]: (like, "auto")}
     for name, path in named[1:]:
-        drafters[name] = (_load(path, first.drafter), "auto")
+        drafters[name] = (_load(path, like), "auto")
     for item in args.also:
         name, rest = item.split("=", 1)
         path, sampling = rest.rsplit(":", 1)
-        drafters[name] = (_load(path, first.drafter), sampling)
+        drafters[name] = (_load(path, like), sampling)
     for model, _ in drafters.values():
         check_compatible(model.spec, first.target)
     return first, drafters
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, sets in before.items():
             if name != "environment" and isinstance(sets, dict):
                 summary[name] = sets
-    for temp in [float(t) for t in args.temperatures.split(",")]:
+    for temp in args.temperatures:
         for set_name in args.sets.split(","):
             _one_set(args, models, drafters, temp, set_name, summary)
     # The table lines above say it all; the file (strict JSON) holds the rest.

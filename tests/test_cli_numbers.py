@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from dflash_trainer import cli
+from dflash_trainer import cli_numbers as num
 from dflash_trainer.cli_numbers import is_checked
 
 
@@ -59,3 +60,11 @@ def test_hostile_numbers_are_refused_naming_the_flag(prefix, flag, kind, capsys)
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert f"argument {flag}" in err, err
+
+
+def test_temperatures_is_a_list_each_through_the_temperature_gate():
+    parse = num.temperatures()
+    assert parse("0,1") == [0.0, 1.0] and parse("0.7") == [0.7]
+    for bad in ("1,x", "0,-1", "nan", "1,,2", "101"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)

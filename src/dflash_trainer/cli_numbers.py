@@ -79,6 +79,17 @@ def temperature() -> Callable[[str], float]:
     return real(0.0, 100.0)
 
 
+def temperatures() -> Callable[[str], list[float]]:
+    """Comma-separated temperatures ("0,1"), each through `temperature()`'s gate."""
+    one = temperature()
+
+    def parse(text: str) -> list[float]:
+        return [one(t) for t in text.split(",")]
+
+    parse.__name__ = "temperatures"
+    return parse
+
+
 def is_checked(type_: Any) -> bool:
     return isinstance(type_, CheckedNumber)
 
