@@ -12,6 +12,9 @@ temperature 0 the candidate walk over the first answers (--candidates K): the dr
 walked tau, the oracle top-K tau and per-slot recall@1 / recall@K.
 `--also NAME=RUN:sampling` evaluates a drafter once more with another draft sampling at
 temperature > 0 (e.g. `:greedy`, a drafter's argmax drafts; by default both kinds sample).
+`--compile-drafter` compiles every drafter's step before its capture (`dflash eval
+--compile-drafter`; --decode static or graphs); each entry's `compiled_drafter` says whether
+it ran compiled (a compile that fails falls back to the uncompiled step, with a warning).
 
 Writes OUT/dflash2_vs_dflash.json as {"<name>": {"<set>": {"t0": {...}, "t1": {...}}}} after
 every measurement (a run cut short keeps what it measured; a later run into the same OUT, at
@@ -37,6 +40,7 @@ from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.loading import check_compatible, load_eval_models, read_drafter
 from dflash_trainer.eval.prompts import load_prompt_set, set_label
 from dflash_trainer.eval.report import write_json
+from dflash_trainer.eval.static_decode import compile_drafter_error, resolve_decode
 
 KEEP = (
     "tau",
@@ -76,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--candidates", type=int, default=16, help="K of the t=0 walk (0 = off)")
     ap.add_argument("--candidate-responses", type=int, default=10)
     ap.add_argument("--decode", default="auto")
+    ap.add_argument(
+        "--compile-drafter", action="store_true", help="torch.compile each drafter's step"
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", required=True)
     return ap
@@ -129,6 +136,7 @@ def _one_set(
             draft_sampling=sampling,
             candidates=args.candidates if temp == 0 else 0,
             candidate_responses=args.candidate_responses,
+            compile_drafter=args.compile_drafter,
         )
         if base is None:
             base = res.get("baseline")
@@ -137,6 +145,7 @@ def _one_set(
         entry["baseline_tpot_ms"] = base["tpot_ms"] if base else None
         entry["tpot_ms"] = res["speculative"]["tpot_ms"]
         entry["decode"], entry["draft_sampling"] = res["decode"], sampling
+        entry["compiled_drafter"] = res["compiled_drafter"]
         summary.setdefault(name, {}).setdefault(label, {})[tkey] = entry
         write_json(res, out / f"{name}_{label}_{tkey}.json")
         write_json(summary, out / "dflash2_vs_dflash.json")
@@ -152,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     models, drafters = _drafters(args)
+    if args.compile_drafter and resolve_decode(args.decode, models.target) == "eager":
+        error = compile_drafter_error(args.decode, models.target)  # before any measurement
+        raise SystemExit(f"dflash2_vs_dflash.py: error: {error}")
     summary: dict[str, Any] = {"environment": models.identity["environment"]}
     earlier = Path(args.out) / "dflash2_vs_dflash.json"
     if earlier.exists():  # a run at other temperatures or sets into the same OUT adds to it

@@ -101,6 +101,19 @@ def test_cuda_fast_step_never_waits_on_the_gpu(tmp_path):
     assert bool(finite)
 
 
+def _rows_close(got: torch.Tensor, want: torch.Tensor, lengths: list[int], tol: float = 3e-2):
+    """Each row within `tol` of the reference, relative to the row's norm. Element-wise bounds
+    fail on bf16 rounding alone (an element near zero in a row of norm ~10 is off by a whole
+    bf16 step of its neighbours); a wrong mask moves whole rows by tens of percent."""
+    err = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-6)
+    bad = (err > tol).nonzero().flatten().tolist()
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    where = [
+        (r, next(i for i, e in enumerate(ends) if r < e), round(float(err[r]), 3)) for r in bad
+    ]
+    assert not bad, f"rows off by more than {tol:.0%} (row, document, error): {where[:20]}"
+
+
 def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
     """training.target_attention=flex: the whole pack as one sequence, its block mask and
     compiled FlexAttention captured in one graph, give the dense rows' features in bf16; and
@@ -123,9 +136,9 @@ def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
         flex.run([pack_chunk(pack)])
         dense.run(build_chunks(layout_rows(lengths, shapes), ids, starts, shapes))
         n = sum(lengths)
-        torch.testing.assert_close(flex.feat[:n], dense.feat[:n], rtol=2e-2, atol=2e-2)
         assert flex.final is not None and dense.final is not None
-        torch.testing.assert_close(flex.final[:n], dense.final[:n], rtol=2e-2, atol=2e-2)
+        _rows_close(flex.feat[:n], dense.feat[:n], lengths)
+        _rows_close(flex.final[:n], dense.final[:n], lengths)
     assert flex.capture_failed is None, flex.capture_failed
     assert len(flex.static) == 1 and all(r.graph is not None for _, r in flex.static.values())
     assert tr.target.model.config._attn_implementation == "sdpa"

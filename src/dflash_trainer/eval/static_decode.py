@@ -23,6 +23,12 @@ Graphs read and write fixed addresses: inputs are copied into static buffers bef
 replay, and outputs (logits, features, drafts) are valid until the next replay of the same
 graph, which is when the loop no longer needs them.
 
+With `compile_drafter` (`dflash eval --compile-drafter`) the drafter step is also compiled
+(torch.compile, static shapes, one whole graph) before it is captured: inside a CUDA graph
+launches cost nothing, but each of a DFlash2 step's ~250 tiny kernels still costs GPU time,
+and fusing them is what is left to gain. The drafts are the uncompiled step's
+(tests/test_compiled_drafter.py).
+
 Supported: attention-only targets without sliding windows, with sdpa or eager attention on
 one device (`static_support` says why a target is not). The others use the dynamic path,
 target_runner.DynamicTargetRunner, which crops its cache and re-feeds recurrent layers.
@@ -42,6 +48,7 @@ from torch import nn
 from dflash_trainer.core.drafter import sdpa_attention
 from dflash_trainer.core.masks import inference_mask
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.compiled_step import compiled_step
 from dflash_trainer.eval.drafting import Proposal, draft_tokens
 from dflash_trainer.eval.speculative import DFlashBlockDrafter
 from dflash_trainer.eval.target_runner import cache_kwarg, target_forward
@@ -84,6 +91,17 @@ def resolve_decode(mode: str, target: FrozenTarget) -> str:
     if mode == "graphs" and not cuda:
         raise DFlashError("--decode graphs needs a CUDA device; use --decode static or eager")
     return mode
+
+
+def compile_drafter_error(mode: str, target: FrozenTarget | None = None) -> DFlashError:
+    """The error for --compile-drafter when `mode` (as asked) decodes eagerly."""
+    how = f"--decode {mode}"
+    if mode == "auto" and target is not None:  # auto picks eager for one of two reasons
+        how += f" picks eager here ({static_support(target.model) or 'no CUDA device'}) and"
+    return DFlashError(
+        f"--compile-drafter needs --decode static or graphs: {how} decodes with HF's dynamic "
+        "cache, which has no fixed-shape drafter step to compile"
+    )
 
 
 class _Replay:
@@ -274,7 +292,12 @@ class StaticTargetRunner:
 class StaticDFlashDrafter(DFlashBlockDrafter):
     """`DFlashBlockDrafter` with a fixed-size context cache: one step (write the last verify's
     feature rows, draft the block) is one static shape, replayed as a CUDA graph with
-    `graphs`. Drafts equal the dynamic drafter's (tests/test_static_decode.py)."""
+    `graphs`. Drafts equal the dynamic drafter's (tests/test_static_decode.py).
+
+    `compile_drafter`: each step is torch.compile'd (eval/compiled_step.py) and run once when it is
+    built, so the compile lands outside any timed decode and before a capture, which then
+    records the compiled kernels. A compile that fails leaves the step uncompiled, with one
+    warning, and `compile_drafter` False."""
 
     def __init__(
         self,
@@ -285,8 +308,10 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         graphs: bool = False,
         draft_sampling: str = "auto",
         temperature: float = 0.0,
+        compile_drafter: bool = False,
     ) -> None:
         super().__init__(model, target, block_size, draft_sampling)
+        self.compile_drafter = compile_drafter
         spec = self.model.spec
         dev, dt, b = target.device, self.dtype, self.block_size
         self.capacity = capacity
@@ -340,6 +365,9 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
             self._uniforms if sampled else None,
         )
 
+    # no_grad: the buffers hold values, never an autograd graph (the loop runs with grad on
+    # in tests), and a compiled step's guards would see them turn requires_grad and recompile.
+    @torch.no_grad()
     def start(self, prompt_ids_P: torch.Tensor, features_PF: torch.Tensor | None) -> None:
         assert features_PF is not None, "DFlash drafting needs the target's tapped features"
         n = features_PF.shape[0]
@@ -351,6 +379,7 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
             keys[:n] = k
             values[:n] = v
 
+    @torch.no_grad()
     def __call__(
         self, ids_N: torch.Tensor, new_features_SF: torch.Tensor | None
     ) -> torch.Tensor | Proposal:
@@ -374,18 +403,23 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
 
     def _replay(self) -> _Replay:
         """The step for the current draft mode; a graph bakes in the temperature it was
-        captured with, so there is one per mode and temperature."""
+        captured with, so there is one per mode and temperature (and so is a compiled step:
+        the temperature is a constant of its code)."""
         key = (self.samples, self.temperature if self.samples else 0.0)
         replay = self._steps.get(key)
         if replay is None:
-            replay = _Replay(functools.partial(self._draft, key[0]), self._graphs)
+            step: Callable[[], Any] = functools.partial(self._draft, key[0])
+            if self.compile_drafter:
+                step, self.compile_drafter = compiled_step(step)
+            replay = _Replay(step, self._graphs)
             self._steps[key] = replay
         return replay
 
 
 class DecodeEngines:
     """The target runner and drafter of one evaluation in a decode mode, rebuilt with a larger
-    capacity when a request needs it (static modes; eager builds per call)."""
+    capacity when a request needs it (static modes; eager builds per call). `compile_drafter`
+    compiles the drafter's step (`StaticDFlashDrafter`), a DFlashError with eager decoding."""
 
     def __init__(
         self,
@@ -396,9 +430,14 @@ class DecodeEngines:
         taps: bool,
         draft_sampling: str = "auto",
         temperature: float = 0.0,
+        compile_drafter: bool = False,
     ) -> None:
         self.target = target
         self.mode = resolve_decode(mode, target)
+        if compile_drafter and self.mode == "eager":
+            raise compile_drafter_error(mode, target)
+        self.compile_drafter = compile_drafter and drafter is not None
+        """Whether the drafter step runs compiled (False again after a failed compile)."""
         self.draft_sampling = draft_sampling
         self.temperature = temperature
         self.drafter_module = drafter
@@ -428,7 +467,10 @@ class DecodeEngines:
                     graphs,
                     self.draft_sampling,
                     self.temperature,
+                    self.compile_drafter,
                 )
+                # A failed compile warned once: a rebuild at a larger capacity does not retry.
+                self.compile_drafter = self.drafter.compile_drafter
         except DFlashError:
             raise
         except Exception as e:  # a capture that fails names the op; eager still works

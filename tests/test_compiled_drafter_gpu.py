@@ -1,0 +1,50 @@
+"""The compiled drafter step (inductor's kernels) captured in CUDA graphs: the drafts of
+`--decode graphs --compile-drafter` are those of `--decode graphs` (fp32), and no replay
+compiles again.
+
+Run on a CUDA machine: pytest -m gpu tests/test_compiled_drafter_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dflash2_serving import dflash2_from
+from test_speculative import make_target, prompt, random_dflash
+from torch._dynamo.utils import counters
+
+from dflash_trainer.eval.speculative import generate
+from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graphs_of_the_compiled_dflash2_step_draft_what_plain_graphs_draft(temperature):
+    target = make_target("llama")
+    target.model.to("cuda")
+    model = dflash2_from(random_dflash(target, 5).model, seed=1).to("cuda")
+    runs = {}
+    for compiled in (False, True):
+        runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=True)
+        drafter = StaticDFlashDrafter(
+            model, target, 128, graphs=True, temperature=temperature, compile_drafter=compiled
+        )
+        assert drafter.compile_drafter == compiled, "the compile fell back"
+        graphs_before = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            runs[compiled] = [
+                generate(
+                    target,
+                    prompt(s).cuda(),
+                    drafter,
+                    max_new_tokens=40,
+                    temperature=temperature,
+                    generator=torch.Generator("cuda").manual_seed(s),
+                    runner=runner,
+                )
+                for s in range(3)
+            ]
+        assert counters["stats"]["unique_graphs"] == graphs_before
+    for plain, fused in zip(runs[False], runs[True]):
+        assert fused.tokens == plain.tokens and fused.accepted == plain.accepted
