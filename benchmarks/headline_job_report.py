@@ -9,7 +9,10 @@ one target-only baseline per set and temperature) and the new drafter's lineage,
                                  shape ({set: {"t0", "t1"}}, "drafter", "goals"), plus "lineage"
 
     python benchmarks/headline_job_report.py --eval OUT/eval/dflash2_vs_dflash.json \\
-        --drafter OUT/export --out OUT
+        --drafter OUT/export --out OUT [--t1 EVAL_DIR ...]
+
+`--t1` adds the new drafter's t=1 rows from `dflash eval` reports measured apart (a job whose
+device time ended before its t=1 pass), for the sets the comparison has no t=1 of.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from headline_report import GOALS
+from headline_report import GOALS, _report, _row, _where
 
 from dflash_trainer.lineage.record import read_lineage, totals
 
@@ -66,11 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", type=Path, required=True, help="dflash2_vs_dflash.json")
     ap.add_argument("--drafter", required=True, help="the new drafter (with lineage.json)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--t1",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="`dflash eval` reports (dirs or eval.json) of the new drafter at t=1, measured "
+        "apart (on CPU when the job's device time ended): rows for the sets the comparison "
+        "has no t=1 of, each with its own device",
+    )
     args = ap.parse_args(argv)
     summary = json.loads(args.eval.read_text())
     env = summary.get("environment") or {}
     device = env.get("gpu") or env.get("device")
     new, old = rows(summary, "new", device), rows(summary, "published", device)
+    for path in args.t1:
+        report = _report(path)
+        for name, result in report["sets"].items():
+            new.setdefault(name, {}).setdefault("t1", _row(result, _where(report)))
     lineage = read_lineage(args.drafter)
     if lineage is None:
         raise SystemExit(f"{args.drafter}: no lineage.json")

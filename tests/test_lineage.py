@@ -314,3 +314,20 @@ def test_damaged_lineage_files_are_user_errors(chain: Chain, tmp_path: Path, dam
     with pytest.raises(DFlashError, match=needle):
         read_prompts(copy)
     assert main(["lineage", "verify", str(copy)]) == 2
+
+
+def test_an_export_exported_again_keeps_its_recipe_from_the_lineage(
+    chain: Chain, tmp_path: Path
+) -> None:
+    """A z-lab export has no meta.json; exported again (a card with served numbers added, or
+    another layout), its card names the recipe, data and steps its last continuation recorded."""
+    again = tmp_path / "again"
+    assert main(["export", str(chain.export), "--to", "zlab", str(again)]) == 0
+    card = (again / "README.md").read_text()
+    lineage = read_lineage(chain.export)
+    assert lineage is not None
+    last = lineage["continuations"][-1]
+    assert "Not recorded in the drafter's meta.json" not in card
+    assert f"Training step: {last['steps']}" in card
+    assert f'"lr": {last["config"]["training"]["lr"]}' in card
+    assert main(["lineage", "verify", str(again)]) == 0
