@@ -8,7 +8,13 @@ MT-Bench at temperature 0. Fits tau linear in the log of each axis (least square
 fitted too) and says how much data each fit needs for the goals (GSM8K 4.0, MT-Bench 3.0);
 a fit that does not grow predicts nothing ("not reached at this rate").
 
-    python benchmarks/lineage_curve.py drafters/smollm2-135m-dflash-b16 --out OUT/lineage_curve
+    python benchmarks/lineage_curve.py drafters/smollm2-135m-dflash-b16 --out OUT/lineage_curve \
+        [--reference LABEL=TURNS,TOKENS,EVAL_JSON ...]
+
+`--reference` adds a drafter trained from scratch on a smaller set (its assistant turns,
+supervised tokens and `dflash eval` report at t=0): continuations a few percent apart in data
+say little about the trend on their own, and the same recipe on a tenth of the data says
+much. Reference points are drawn hollow and enter the fits; the JSON marks them.
 
 Writes OUT.json ({"points", "fits", "goals"}) and OUT.png (tau against turns, against tokens).
 """
@@ -56,6 +62,24 @@ def points(lineage: dict[str, Any], sets: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def reference(arg: str, sets: list[str]) -> dict[str, Any]:
+    """The point of `--reference LABEL=TURNS,TOKENS,EVAL_JSON`."""
+    label, sep, rest = arg.partition("=")
+    parts = rest.split(",", 2)
+    if not sep or not label or len(parts) != 3 or not all(x.isdigit() for x in parts[:2]):
+        raise SystemExit(f"--reference {arg!r}: write LABEL=TURNS,TOKENS,EVAL_JSON")
+    try:
+        report = json.loads(Path(parts[2]).read_text())
+        served = report["sets"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--reference {arg!r}: {parts[2]} is no dflash eval report ({e})") from e
+    taus = {s: (served.get(s) or {}).get("tau") for s in sets}
+    if not any(isinstance(t, float | int) for t in taus.values()):
+        raise SystemExit(f"--reference {arg!r}: the report serves none of {', '.join(sets)}")
+    return {"reference": label, "assistant_turns": int(parts[0]),
+            "supervised_tokens": int(parts[1]), "tau": taus}  # fmt: skip
+
+
 def fits(pts: list[dict[str, Any]], block: int, goals: dict[str, float]) -> dict[str, Any]:
     """{axis: {set: predict(...)}}: each set's fits and the data its goal needs."""
     out: dict[str, Any] = {}
@@ -86,7 +110,11 @@ def _plot(
         for (name, goal), color in zip(goals.items(), ("C0", "C1"), strict=True):
             have = [p for p in pts if isinstance(p["tau"].get(name), float | int)]
             xs = [p[axis] for p in have]
-            ax.plot(xs, [p["tau"][name] for p in have], "o", color=color, label=name)
+            for ref, style in ((False, {}), (True, {"mfc": "none"})):
+                mine = [p for p in have if ("reference" in p) == ref]
+                ax.plot([p[axis] for p in mine], [p["tau"][name] for p in mine], "o",
+                        color=color, label=f"{name} (from scratch)" if ref else name,
+                        **style)  # fmt: skip
             ax.axhline(goal, color=color, lw=0.8, ls="--")
             entry = fit[axis][name].get("tau_log_linear") or {}
             if "slope" in entry and xs and min(xs) > 0:
@@ -99,7 +127,8 @@ def _plot(
         ax.set_ylabel("served tau (t=0)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle("served tau per continuation; dotted: tau linear in log data; dashed: goals")
+    fig.suptitle("served tau per continuation (hollow: a drafter trained from scratch on less); "
+                 "dotted: tau linear in log data; dashed: goals")  # fmt: skip
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -113,7 +142,7 @@ def table(pts: list[dict[str, Any]], fit: dict[str, Any], goals: dict[str, float
              "|---:|---:|---:|---:|---:|"]  # fmt: skip
     for p in pts:
         lines.append(
-            f"| {p['continuation']} | {p['assistant_turns']:,} | {p['supervised_tokens']:,} "
+            f"| {p.get('continuation', p.get('reference'))} | {p['assistant_turns']:,} | {p['supervised_tokens']:,} "
             f"| {tau(p['tau'].get('gsm8k'))} | {tau(p['tau'].get('mt-bench'))} |"
         )
     lines += ["", "| goal | turns needed | tokens needed |", "|---|---:|---:|"]
@@ -140,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SET=TAU",
         help="a goal instead of the defaults (gsm8k=4.0, mt-bench=3.0); repeatable",
     )
+    ap.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="LABEL=TURNS,TOKENS,EVAL_JSON",
+        help="a drafter trained from scratch on less data, as a point of the fits; repeatable",
+    )
     args = ap.parse_args(argv)
     goals = dict(GOALS)
     if args.goal:
@@ -147,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     lineage = read_lineage(args.drafter)
     if lineage is None:
         raise SystemExit(f"{args.drafter}: no lineage.json (nor drafter/lineage.json)")
-    pts = points(lineage, list(goals))
+    pts = [reference(r, list(goals)) for r in args.reference] + points(lineage, list(goals))
+    pts.sort(key=lambda p: p["assistant_turns"])
     fit = fits(pts, args.block_size, goals)
     report = {"drafter": str(args.drafter), "goals": goals, "points": pts, "fits": fit}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -202,6 +202,17 @@ def test_the_lineage_curve_reads_the_recorded_jobs(chain: Chain, tmp_path: Path)
     slope /= sum((x - mx) ** 2 for x in xs)
     assert fit["slope"] == pytest.approx(slope, abs=1e-9)
     assert ("size_for_goal" in fit) == (slope > 0)
+    # A drafter trained from scratch on less data: one more point of the fits, marked.
+    first = chain.evals[0] / "eval.json"
+    goals = ["--goal", "gsm8k=1.5", "--goal", "mt-bench=1.2"]
+    assert mod.main([*argv, *goals, "--reference", f"small=1,10,{first}"]) == 0
+    pts = json.loads((tmp_path / "curve.json").read_text())["points"]
+    assert pts[0]["reference"] == "small" and pts[0]["assistant_turns"] == 1
+    report = json.loads((tmp_path / "curve.json").read_text())
+    assert report["fits"]["assistant_turns"]["gsm8k"]["tau_log_linear"]["points"] == 4
+    for bad in ("small", "small=1,x,r.json", f"small=1,2,{tmp_path / 'none.json'}"):
+        with pytest.raises(SystemExit, match="--reference"):
+            mod.main([*argv, "--reference", bad])
 
 
 def test_init_records_a_drafter_trained_before_lineages(chain: Chain, tmp_path: Path) -> None:
