@@ -49,9 +49,11 @@
 #   headline run): setup ~2 min, regen REGEN_SECONDS + ~3 min (synthesis, compile), prepare
 #   ~1 min, train ~9 min for 6 epochs of ~40k conversations, eval ~15 min, pack <1 min.
 #   Measured on an H200: synthesis of SYNTH_N=5000 about 190 s (3,611 kept), the regeneration
-#   engine's compile 80 s of REGEN_SECONDS; at 40 prompts a set, each drafter's t=0 or t=1
+#   engine's compile 65-80 s of REGEN_SECONDS; at 40 prompts a set, each drafter's t=0 or t=1
 #   pass over the three sets about 2 min, plus one target-only baseline per set and
-#   temperature (about 2 min a temperature).
+#   temperature (about 2 min a temperature). Job 1 (benchmarks/headline_job_smollm2_h200_202612.md,
+#   SYNTH_N=4000 REGEN_SECONDS=200 EPOCHS=4): setup + regen + prepare 4.5 min (2,898
+#   conversations), train + export + pack 1.7 min (44 steps), eval at t=0 5.2 min.
 #   The CPU rehearsal on 2 shared cores: setup 32 s (the genesis: 45,041 prompt ids), regen
 #   169 s (35,041 mixture prompts left out as recorded, 2 synthesized ones regenerated), prepare
 #   6 s, train 49 s (2 steps), eval 233 s (1 prompt a set, 8 tokens), pack 3 s (3 parts).
