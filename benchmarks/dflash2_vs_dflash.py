@@ -36,6 +36,7 @@ import torch
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import EvalConfig
 from dflash_trainer.core.drafter import DFlashDrafter
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.loading import check_compatible, load_eval_models, read_drafter
 from dflash_trainer.eval.prompts import load_prompt_set, set_label
@@ -188,4 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     torch.set_grad_enabled(False)
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except DFlashError as e:  # a missing drafter, an unknown prompt set: the message, no trace
+        raise SystemExit(f"dflash2_vs_dflash.py: error: {e}") from None
