@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from headline_report import GOALS, _report, _row, _where
+from headline_report import GOALS, _row, _where
 
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.card import read_eval_report
 from dflash_trainer.lineage.record import read_lineage, totals
 
 
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     device = env.get("gpu") or env.get("device")
     new, old = rows(summary, "new", device), rows(summary, "published", device)
     for path in args.t1:
-        report = _report(path)
+        try:  # regular files only, size-bounded, checked for its sets
+            report = read_eval_report(path)
+        except DFlashError as e:
+            raise SystemExit(f"--t1: {e}") from e
         for name, result in report["sets"].items():
             new.setdefault(name, {}).setdefault("t1", _row(result, _where(report)))
     lineage = read_lineage(args.drafter)

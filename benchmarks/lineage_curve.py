@@ -31,6 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scaling_curve import fitted, predict
 
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.card import read_eval_report
 from dflash_trainer.lineage.record import read_lineage
 from dflash_trainer.lineage.served import merge_served
 
@@ -68,11 +70,10 @@ def reference(arg: str, sets: list[str]) -> dict[str, Any]:
     parts = rest.split(",", 2)
     if not sep or not label or len(parts) != 3 or not all(x.isdigit() for x in parts[:2]):
         raise SystemExit(f"--reference {arg!r}: write LABEL=TURNS,TOKENS,EVAL_JSON")
-    try:
-        report = json.loads(Path(parts[2]).read_text())
-        served = report["sets"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"--reference {arg!r}: {parts[2]} is no dflash eval report ({e})") from e
+    try:  # regular files only, size-bounded, checked for its sets
+        served = read_eval_report(parts[2])["sets"]
+    except DFlashError as e:
+        raise SystemExit(f"--reference {arg!r}: {e}") from e
     taus = {s: (served.get(s) or {}).get("tau") for s in sets}
     if not any(isinstance(t, float | int) for t in taus.values()):
         raise SystemExit(f"--reference {arg!r}: the report serves none of {', '.join(sets)}")

@@ -20,12 +20,12 @@ import torch
 from test_dflash2_serving import dflash2_from
 from test_evaluate import CONVERSATIONS, GREEDY, word_tokenizer
 from test_speculative import make_target, prompt, random_dflash
+from test_static_decode import PairedDrafter
 from torch._dynamo.utils import counters
 
 from dflash_trainer.cli import main
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval import compiled_step
-from dflash_trainer.eval.drafting import Proposal
 from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.speculative import generate
 from dflash_trainer.eval.static_decode import DecodeEngines, StaticDFlashDrafter, StaticTargetRunner
@@ -50,36 +50,13 @@ def drafter_module(kind: str, target):
     return dflash2_from(model, seed=1) if kind == "dflash2" else model
 
 
-class SideBySide:
+class SideBySide(PairedDrafter):
     """Steps the uncompiled and the compiled drafter on the same inputs; their drafts (and
     at t > 0 the q each was drawn from) must agree at every step."""
 
-    needs_features = True
-    block_size = BLOCK
-
-    def __init__(self, plain: StaticDFlashDrafter, compiled: StaticDFlashDrafter):
-        self.plain, self.compiled = plain, compiled
-        self.steps = 0
-
     def set_sampling(self, temperature, generator):
-        for d in (self.plain, self.compiled):  # each its own generator, the same seed
+        for d in (self.first, self.second):  # each its own generator, the same seed
             d.set_sampling(temperature, torch.Generator().manual_seed(11))
-
-    def start(self, prompt_ids, features):
-        self.plain.start(prompt_ids, features)
-        self.compiled.start(prompt_ids, features)
-
-    def __call__(self, ids, new_features):
-        a = self.plain(ids, new_features)
-        b = self.compiled(ids, new_features)
-        if isinstance(a, Proposal):
-            assert isinstance(b, Proposal), f"step {self.steps}"
-            assert torch.equal(a.tokens_S, b.tokens_S), f"step {self.steps}"
-            torch.testing.assert_close(a.q_SK, b.q_SK, rtol=1e-5, atol=1e-6)
-        else:
-            assert torch.equal(a, b), f"step {self.steps}: {a.tolist()} != {b.tolist()}"
-        self.steps += 1
-        return a
 
 
 def check_same_drafts(kind: str, temperature: float) -> None:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_dflash2_serving import dflash2_from
-from test_speculative import make_target, prompt, random_dflash
+from test_speculative_gpu import dflash2_on_cuda, seeded_runs
 from torch._dynamo.utils import counters
 
-from dflash_trainer.eval.speculative import generate
 from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
 
 pytestmark = pytest.mark.gpu
@@ -21,9 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_graphs_of_the_compiled_dflash2_step_draft_what_plain_graphs_draft(temperature):
-    target = make_target("llama")
-    target.model.to("cuda")
-    model = dflash2_from(random_dflash(target, 5).model, seed=1).to("cuda")
+    target, model = dflash2_on_cuda()
     runs = {}
     for compiled in (False, True):
         runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=True)
@@ -33,18 +29,7 @@ def test_graphs_of_the_compiled_dflash2_step_draft_what_plain_graphs_draft(tempe
         assert drafter.compile_drafter == compiled, "the compile fell back"
         graphs_before = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
-            runs[compiled] = [
-                generate(
-                    target,
-                    prompt(s).cuda(),
-                    drafter,
-                    max_new_tokens=40,
-                    temperature=temperature,
-                    generator=torch.Generator("cuda").manual_seed(s),
-                    runner=runner,
-                )
-                for s in range(3)
-            ]
+            runs[compiled] = seeded_runs(target, drafter, runner, temperature)
         assert counters["stats"]["unique_graphs"] == graphs_before
     for plain, fused in zip(runs[False], runs[True]):
         assert fused.tokens == plain.tokens and fused.accepted == plain.accepted

@@ -18,6 +18,30 @@ def cuda_target(kind: str, dtype: torch.dtype):
     return target
 
 
+def dflash2_on_cuda():
+    """A tiny fp32 llama target and a DFlash2 drafter of block 5 for it, both on the GPU."""
+    from test_dflash2_serving import dflash2_from
+
+    target = cuda_target("llama", torch.float32)
+    return target, dflash2_from(random_dflash(target, 5).model.cpu(), seed=1).to("cuda")
+
+
+def seeded_runs(target, drafter, runner, temperature: float) -> list:
+    """Three 40-token generations from prompts and CUDA generators of seeds 0-2."""
+    return [
+        generate(
+            target,
+            prompt(s).cuda(),
+            drafter,
+            max_new_tokens=40,
+            temperature=temperature,
+            generator=torch.Generator("cuda").manual_seed(s),
+            runner=runner,
+        )
+        for s in range(3)
+    ]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
 def test_cuda_fp32_greedy_is_lossless(kind):
     target = cuda_target(kind, torch.float32)
@@ -105,27 +129,13 @@ def test_cuda_eval_picks_graphs_and_stays_lossless():
 def test_cuda_graphs_replay_the_dflash2_walk_exactly(temperature):
     """The selector's walk (greedy, and sampled from uniforms drawn before the replay) inside
     a CUDA graph drafts what the eager static drafter drafts, step for step."""
-    from test_dflash2_serving import dflash2_from
-
     from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
 
-    target = cuda_target("llama", torch.float32)
-    model = dflash2_from(random_dflash(target, 5).model.cpu(), seed=1).to("cuda")
+    target, model = dflash2_on_cuda()
     runs = {}
     for graphs in (False, True):
         runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=graphs)
         drafter = StaticDFlashDrafter(model, target, 128, graphs=graphs, temperature=temperature)
-        runs[graphs] = [
-            generate(
-                target,
-                prompt(s).cuda(),
-                drafter,
-                max_new_tokens=40,
-                temperature=temperature,
-                generator=torch.Generator("cuda").manual_seed(s),
-                runner=runner,
-            )
-            for s in range(3)
-        ]
+        runs[graphs] = seeded_runs(target, drafter, runner, temperature)
     for eager, graphed in zip(runs[False], runs[True]):
         assert graphed.tokens == eager.tokens and graphed.accepted == eager.accepted

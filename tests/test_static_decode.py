@@ -23,6 +23,7 @@ from test_speculative import (
 
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.eval.drafting import Proposal
 from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.speculative import DFlashBlockDrafter, generate
 from dflash_trainer.eval.static_decode import (
@@ -67,23 +68,29 @@ def test_static_loop_equals_the_dynamic_loop_token_for_token(kind, block):
 
 
 class PairedDrafter:
-    """Runs the dynamic and the static drafter on every step and checks they draft alike."""
+    """Runs two drafters on every step and checks they draft alike (with sampled drafts, the
+    q each was drawn from too); the loop goes on with the first one's drafts."""
 
     needs_features = True
 
-    def __init__(self, dynamic: DFlashBlockDrafter, static: StaticDFlashDrafter):
-        self.dynamic, self.static = dynamic, static
-        self.block_size = dynamic.block_size
+    def __init__(self, first: DFlashBlockDrafter, second: StaticDFlashDrafter):
+        self.first, self.second = first, second
+        self.block_size = first.block_size
         self.steps = 0
 
     def start(self, prompt_ids, features):
-        self.dynamic.start(prompt_ids, features)
-        self.static.start(prompt_ids, features)
+        self.first.start(prompt_ids, features)
+        self.second.start(prompt_ids, features)
 
     def __call__(self, ids, new_features):
-        a = self.dynamic(ids, new_features)
-        b = self.static(ids, new_features)
-        assert torch.equal(a, b), f"step {self.steps}: {a.tolist()} != {b.tolist()}"
+        a = self.first(ids, new_features)
+        b = self.second(ids, new_features)
+        if isinstance(a, Proposal):
+            assert isinstance(b, Proposal), f"step {self.steps}"
+            assert torch.equal(a.tokens_S, b.tokens_S), f"step {self.steps}"
+            torch.testing.assert_close(a.q_SK, b.q_SK, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b), f"step {self.steps}: {a.tolist()} != {b.tolist()}"
         self.steps += 1
         return a
 

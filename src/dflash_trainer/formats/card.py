@@ -161,6 +161,22 @@ def measured_lines(evals: list[dict[str, Any]], here: str) -> list[str]:
     return lines
 
 
+def _meta_from_lineage(meta: dict[str, Any], lineage: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with the recipe, data and steps its lineage's last continuation recorded, where
+    meta has none: an export read back (config.json, no meta.json) keeps its card's recipe."""
+    conts = lineage.get("continuations") or [{}]
+    last = conts[-1] if isinstance(conts[-1], dict) else {}
+    config = last.get("config")
+    config = config if isinstance(config, dict) else {}
+    out = dict(meta)
+    for key in ("training", "data"):
+        if out.get(key) is None and isinstance(config.get(key), dict):
+            out[key] = config[key]
+    if out.get("step") is None and isinstance(last.get("steps"), int):
+        out["step"] = last["steps"]
+    return out
+
+
 def model_card(
     spec: DrafterSpec,
     meta: dict[str, Any],
@@ -170,6 +186,8 @@ def model_card(
     evals: list[dict[str, Any]] | None = None,
     lineage: dict[str, Any] | None = None,
 ) -> str:
+    if lineage is not None:
+        meta = _meta_from_lineage(meta, lineage)
     tau = _value(meta, "eval", "tau")
     base = hub_id(target)
     lines = ["---"]

@@ -303,8 +303,7 @@ def export_drafter(
         if carried is not None:
             _export_lineage(tmp, carried, fmt, dtype, evals or [])
         lineage = carried[0] if carried is not None else None
-        card_meta = meta if lineage is None else _meta_from_lineage(meta, lineage)
-        card = model_card(spec, card_meta, fmt, str(out_p), serve, reports, lineage)
+        card = model_card(spec, meta, fmt, str(out_p), serve, reports, lineage)
         write_file_atomic(tmp / "README.md", card)
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():
@@ -350,22 +349,6 @@ def _export_lineage(tmp: Path, carried: Any, fmt: str, dtype: str, evals: list[s
                                       "date": now()}]  # fmt: skip
         last.setdefault("evals", []).extend(eval_entry(e) for e in evals)
     write_lineage(tmp, lineage, prompts)
-
-
-def _meta_from_lineage(meta: dict[str, Any], lineage: dict[str, Any]) -> dict[str, Any]:
-    """`meta` with the recipe, data and steps its lineage's last continuation recorded, where
-    meta has none: an export read back (config.json, no meta.json) keeps its card's recipe."""
-    conts = lineage.get("continuations") or [{}]
-    last = conts[-1] if isinstance(conts[-1], dict) else {}
-    config = last.get("config")
-    config = config if isinstance(config, dict) else {}
-    out = dict(meta)
-    for key in ("training", "data"):
-        if out.get(key) is None and isinstance(config.get(key), dict):
-            out[key] = config[key]
-    if out.get("step") is None and isinstance(last.get("steps"), int):
-        out["step"] = last["steps"]
-    return out
 
 
 def _meta_target(meta: dict[str, Any]) -> str | None:
