@@ -23,6 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.card import read_eval_report
+
 # (set, temperature, metric) -> minimum; the goals of the published SmolLM2 drafter.
 GOALS = {
     ("gsm8k", "t0", "tau"): 4.0,
@@ -34,11 +37,12 @@ GOALS = {
 
 
 def _report(eval_dir: Path) -> dict[str, Any]:
-    path = eval_dir / "eval.json" if eval_dir.is_dir() else eval_dir
-    report = json.loads(path.read_text())
-    if not isinstance(report.get("sets"), dict):
-        raise SystemExit(f"{path}: 'sets' is not a mapping of prompt sets")
-    return dict(report)
+    # Through the package's reader: a regular file of bounded size (a FIFO named here would
+    # block the report), its sets checked; the message names the file and the fix.
+    try:
+        return read_eval_report(eval_dir)
+    except DFlashError as e:
+        raise SystemExit(str(e)) from e
 
 
 def _where(report: dict[str, Any]) -> dict[str, Any]:

@@ -152,11 +152,13 @@ def test_cuda_flex_target_in_graphs_matches_the_dense_target(tmp_path):
         assert math.isclose(d.loss, f.loss, rel_tol=2e-2), (d.loss, f.loss)
 
 
-def test_cuda_dflash2_compiled_fast_step_matches_standard_and_never_waits(tmp_path):
+@pytest.mark.parametrize("codebooks", ["tables", "embedding"])
+def test_cuda_dflash2_compiled_fast_step_matches_standard_and_never_waits(tmp_path, codebooks):
     """DFlash2 (convolutions inside the compiled layers, the selector's term in the loss) on
-    the fast step: the standard step's numbers in bf16, and no host sync inside a step."""
+    the fast step: the standard step's numbers in bf16, and no host sync inside a step; with
+    the selector's codebooks as tables and through the target embedding alike."""
     d2 = {"head_dim": 16, "kind": "dflash2", "conv_group_size": 8, "selector_rank": 8,
-          "selector_top_k": 4}  # fmt: skip
+          "selector_top_k": 4, "selector_codebooks": codebooks}  # fmt: skip
     runs = {}
     for path in ("standard", "fast"):
         cfg = tiny_config(

@@ -11,17 +11,20 @@
 #
 # Stages (STAGES, in order; finished ones skipped, a failed one reported and the next run):
 #   prepare    the regenerated set (REGEN) tokenized, loop tails masked
-#   train_b16  dflash_b16 and dflash2_b16 from INIT, both at once on the GPU (their
+#   train_b16  dflash_b16 and dflash2_b16 (dflash2e_b16) from INIT, all at once on the GPU (their
 #              throughput is not what this measures)
 #   train_b8   dflash_b8 and dflash2_b8 from INIT (block 8, gamma 4), likewise
-#   eval       dflash2_b16's weights packed, then every trained drafter served side by side
+#   eval       the DFlash2 weights packed, then every trained drafter served side by side
 #              (plus dflash_b16 with argmax drafts from its own distribution at t > 0)
 # Inputs: REGEN (the target's answers to 10,752 ShareGPT prompts, kept in benchmarks/results),
 #   INIT (the published drafter; training waits up to INIT_WAIT seconds for it to appear),
 #   the SmolLM2 and eval-set asset packages
 #   (benchmarks/offline_bundle.sh carries them to a machine without a registry).
 # Knobs: STEPS (300), LR (2e-4), WARMUP (0.1), BUDGET (32768 tokens a step), ANCHORS (2048),
-#   SELECTOR_LR_SCALE (1: the DFlash2 selector's lr as a multiple of LR), SAMPLES (40),
+#   SELECTOR_LR_SCALE (1: the DFlash2 selector's lr as a multiple of LR), CODEBOOKS ("tables":
+#   the DFlash2 runs' drafter.selector_codebooks; "tables embedding" trains both, the second
+#   as dflash2e_b<block>), SERVE (the trained runs to serve; default all), COMPILE_DRAFTER (0;
+#   1 serves every drafter with its step compiled, --compile-drafter), SAMPLES (40),
 #   EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
 #   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), GREEDY_DFLASH (1: also
 #   dflash_b16_greedy, its argmax drafts at t > 0; the drafters themselves sample there),
@@ -48,13 +51,14 @@ prepare() {
     --out "$OUT/prep" --eval-fraction 0.01 --loop-tails mask --overwrite > "$OUT/prepare.log" 2>&1
 }
 
-train_run() {  # name, kind, block: one continuation from INIT
-  local name=$1 kind=$2 block=$3 gamma=7.0
+train_run() {  # name, kind, block[, codebooks]: one continuation from INIT
+  local name=$1 kind=$2 block=$3 codebooks=${4:-tables} gamma=7.0
   [ "$block" = 8 ] && gamma=4.0
   [ -d "$OUT/$name/drafter" ] && return 0
   local device=() extra=()
   [ "$DEVICE" = cuda ] || device=(training.device=cpu data.max_doc_tokens=1024)
-  [ "$kind" = dflash2 ] && extra=("training.selector_lr_scale=${SELECTOR_LR_SCALE:-1}")
+  [ "$kind" = dflash2 ] && extra=("training.selector_lr_scale=${SELECTOR_LR_SCALE:-1}"
+    "drafter.selector_codebooks=$codebooks")
   $DFLASH train --recipe smollm2-135m "data.train=$OUT/prep" "run.output_dir=$OUT/$name" \
     "drafter.init_from=$INIT" "drafter.kind=$kind" "drafter.block_size=$block" \
     "training.gamma=$gamma" "training.max_steps=${STEPS:-300}" "training.lr=${LR:-2e-4}" \
@@ -63,14 +67,21 @@ train_run() {  # name, kind, block: one continuation from INIT
     training.checkpoint_every=100000 training.log_every=25 "${device[@]}" "${extra[@]}" \
     > "$OUT/$name.log" 2>&1
 }
-pair() {  # the two kinds at one block size, side by side on the GPU (their compiles overlap)
-  local block=$1 a b
+pair() {  # the kinds at one block size, side by side on the GPU (their compiles overlap)
+  local block=$1 cb pids=() p ok=0
   wait_for_init || return 1
   train_run "dflash_b$block" dflash "$block" &
-  a=$!
-  train_run "dflash2_b$block" dflash2 "$block" &
-  b=$!
-  wait $a && wait $b
+  pids+=($!)
+  for cb in ${CODEBOOKS:-tables}; do
+    case $cb in
+      tables) train_run "dflash2_b$block" dflash2 "$block" tables & ;;
+      embedding) train_run "dflash2e_b$block" dflash2 "$block" embedding & ;;
+      *) echo "unknown CODEBOOKS entry $cb" >&2; return 1 ;;
+    esac
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || ok=1; done
+  return $ok
 }
 train_b16() { pair 16; }
 train_b8() { pair 8; }
@@ -86,7 +97,7 @@ wait_for_init() {  # INIT may arrive after the driver started (a later transfer)
 
 eval_all() {
   local args=() name
-  for name in dflash_b16 dflash2_b16 dflash_b8 dflash2_b8; do
+  for name in ${SERVE:-dflash_b16 dflash2_b16 dflash2e_b16 dflash_b8 dflash2_b8 dflash2e_b8}; do
     [ -d "$OUT/$name/drafter" ] && args+=(--drafter "$name=$OUT/$name")
   done
   if [ "${GREEDY_DFLASH:-1}" = 1 ] && [ -d "$OUT/dflash_b16/drafter" ]; then
@@ -94,8 +105,10 @@ eval_all() {
   fi
   local dev=()
   [ "$DEVICE" = cuda ] || dev=(--device cpu --decode eager)
+  [ "${COMPILE_DRAFTER:-0}" = 1 ] && dev+=(--compile-drafter)
   # The weights first: a job whose time ends during the evaluation still brings them back.
   pack_weights dflash2_b16
+  pack_weights dflash2e_b16
   "$PY" benchmarks/dflash2_vs_dflash.py "${args[@]}" --sets "${SETS:-gsm8k,mt-bench,humaneval}" \
     --samples "${SAMPLES:-40}" --max-new-tokens "${EVAL_NEW_TOKENS:-256}" \
     --temperatures "${TEMPS:-0,1}" --candidate-responses "${CAND_RESPONSES:-10}" \

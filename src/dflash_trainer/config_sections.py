@@ -126,6 +126,10 @@ class DrafterConfig:
     """DFlash2: width of the selector's two token codebooks and of its hidden projection."""
     selector_top_k: int = setting(16, lo=1, hi=2**12)
     """DFlash2: candidates per drafted slot that the selector chooses among."""
+    selector_codebooks: Literal["tables", "embedding"] = "tables"
+    """DFlash2, in training: tables trains the selector's two [vocab, rank] codebooks freely;
+    embedding trains them as the target's input embedding times two [hidden, rank] matrices,
+    which shares what one token pair teaches with similar tokens. Files hold tables either way."""
 
     def __post_init__(self) -> None:
         check_section(self, "drafter")
@@ -151,6 +155,11 @@ class DrafterConfig:
                 "drafter.conv_kernel_size",
                 f"{self.conv_kernel_size} taps exceed drafter.block_size={self.block_size}: a "
                 "tap never reaches outside its block; use at most block_size taps (default 2)",
+            )
+        if self.kind != "dflash2" and self.selector_codebooks != "tables":
+            fail(
+                "drafter.selector_codebooks",
+                "only a DFlash2 drafter has a selector; set drafter.kind=dflash2 or drop it",
             )
 
     def resolved_layer_types(self) -> tuple[str, ...]:

@@ -92,27 +92,84 @@ class GroupedDynamicConv(nn.Module):
         return (windows * w).sum(-1).reshape(q, h)
 
 
-class CandidateSelector(nn.Module):
-    """Low-rank pairwise re-ranking of each slot's top-K candidates."""
+CODEBOOK_NAMES = ("predecessor_codebook", "successor_codebook")
+FACTOR_NAMES = ("predecessor_projection", "successor_projection")
 
-    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
+
+class CandidateSelector(nn.Module):
+    """Low-rank pairwise re-ranking of each slot's top-K candidates.
+
+    `codebooks="tables"`: A and B are free [V, r] tables, the published layout. With
+    `"embedding"` (a training parameterisation) they are E' W_A and E' W_B: the frozen target
+    input embedding E, scaled to unit mean row norm (E'), times two trained [H, r] matrices.
+    A table row learns only from the pairs its token takes part in, so a short run on a few
+    million tokens fits the pairs it saw; through E every pair informs every token with a
+    similar embedding, with 2 H r instead of 2 V r parameters. Served drafters always hold
+    the tables: `materialized` computes them (`serving_state`).
+    """
+
+    def __init__(self, hidden: int, vocab: int, rank: int, codebooks: str = "tables") -> None:
         super().__init__()
+        if codebooks not in ("tables", "embedding"):
+            raise ValueError(f"selector codebooks {codebooks!r}: tables or embedding")
+        self.codebooks = codebooks
+        self.vocab = vocab
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
         # Plain parameters (not nn.Embedding): their state-dict names are the published
         # tensor names, which carry no `.weight` suffix.
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
-        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        rows = vocab if codebooks == "tables" else hidden
+        names = CODEBOOK_NAMES if codebooks == "tables" else FACTOR_NAMES
+        self.first_name, self.second_name = names
+        setattr(self, names[0], nn.Parameter(torch.empty(rows, rank)))
+        setattr(self, names[1], nn.Parameter(torch.empty(rows, rank)))
+        # E' (embedding mode): a plain attribute, not a buffer: frozen, never saved, not
+        # sharded or broadcast by data parallelism (every rank holds the target).
+        self.embedding: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """A zero successor codebook makes the pair term 0: S = U, the selector a no-op.
 
         The successor codebook gets gradient at once; the other two once it is non-zero.
+        With unit-norm embedding rows, E' W_A has rows of the same spread as a table's.
         """
         with torch.no_grad():
             nn.init.normal_(self.hidden_projection.weight, std=std)
-            nn.init.normal_(self.predecessor_codebook, std=std)
-            self.successor_codebook.zero_()
+            nn.init.normal_(getattr(self, self.first_name), std=std)
+            getattr(self, self.second_name).zero_()
+
+    def attach_embedding(self, embedding_VH: torch.Tensor) -> None:
+        """Give an embedding-mode selector the target's input embedding (no-op for tables)."""
+        if self.codebooks != "embedding":
+            return
+        e = embedding_VH.detach()
+        if e.shape[0] != self.vocab:
+            raise ValueError(f"embedding has {e.shape[0]} rows, the selector {self.vocab}")
+        norm = e.float().pow(2).sum(-1).mean().sqrt().clamp(min=1e-12)
+        self.embedding = (e.float() / norm).to(e.dtype)
+
+    def _rows(self, second: bool, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of A (second=False) or B for token ids, at least fp32."""
+        table = getattr(self, self.second_name if second else self.first_name)
+        if self.codebooks == "tables":
+            return upcast(table[ids])
+        if self.embedding is None:
+            raise RuntimeError("an embedding-mode selector needs attach_embedding() first")
+        e = self.embedding.to(table.device)[ids]
+        return upcast(e.to(table.dtype) @ table)
+
+    def materialized(self) -> dict[str, torch.Tensor]:
+        """The two [V, r] codebooks this selector scores with, fp32 (the serving tables)."""
+        if self.codebooks == "tables":
+            return {n: getattr(self, n).detach().float() for n in CODEBOOK_NAMES}
+        if self.embedding is None:
+            raise RuntimeError("an embedding-mode selector needs attach_embedding() first")
+        with torch.no_grad():
+            e = self.embedding.float()
+            return {
+                out: (e @ getattr(self, n).detach().float().to(e.device))
+                for out, n in zip(CODEBOOK_NAMES, FACTOR_NAMES)
+            }
 
     def gate(self, hidden_RH: torch.Tensor) -> torch.Tensor:
         """P h [R, r], at least fp32."""
@@ -127,8 +184,8 @@ class CandidateSelector(nn.Module):
         unary_RK: torch.Tensor,
     ) -> torch.Tensor:
         """Scores [R, K] (at least fp32) of each row's candidates given one predecessor per row."""
-        a = upcast(self.predecessor_codebook[prev_R]) * self.gate(hidden_RH)
-        b = upcast(self.successor_codebook[cand_RK])
+        a = self._rows(False, prev_R) * self.gate(hidden_RH)
+        b = self._rows(True, cand_RK)
         return upcast(unary_RK) + torch.einsum("rd,rkd->rk", a, b)
 
     def lattice(
@@ -143,9 +200,62 @@ class CandidateSelector(nn.Module):
         k = cand_SK.shape[1]
         gate = self.gate(hidden_SH)  # [S, r]
         prev = torch.cat([anchor_id.view(1).expand(k).view(1, k), cand_SK[:-1]], 0)  # [S, K]
-        a = upcast(self.predecessor_codebook[prev]) * gate[:, None, :]  # [S, K, r]
-        b = upcast(self.successor_codebook[cand_SK])  # [S, K, r]
+        a = self._rows(False, prev) * gate[:, None, :]  # [S, K, r]
+        b = self._rows(True, cand_SK)  # [S, K, r]
         return upcast(unary_SK)[:, None, :] + torch.einsum("sid,sjd->sij", a, b)
+
+
+def _selector_keys(state: dict[str, torch.Tensor], names: tuple[str, ...]) -> list[str]:
+    # The names belong to the selector alone (any prefix: bare, drafter, wrapped).
+    return [k for k in state if k.rsplit(".", 1)[-1] in names]
+
+
+def serving_state(
+    state: dict[str, torch.Tensor], selector: CandidateSelector | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the drafter file's state, the selector factors apart) of a drafter state dict.
+
+    Tables mode: (state, {}). Embedding mode: the two factor tensors are replaced by the
+    codebooks they make with the selector's embedding, so every file a run writes is the
+    published layout that every reader and engine loads; the factors come back for a
+    checkpoint, whose resume trains them on.
+    """
+    if selector is None or selector.codebooks == "tables":
+        return state, {}
+    if selector.embedding is None:
+        raise RuntimeError("an embedding-mode selector needs attach_embedding() first")
+    keys = _selector_keys(state, FACTOR_NAMES)
+    factors = {k: state[k] for k in keys}
+    out = {k: v for k, v in state.items() if k not in factors}
+    e = selector.embedding.float()
+    for k in keys:
+        name = k.rsplit(".", 1)[-1]
+        table = e @ factors[k].detach().float().to(e.device)
+        out[k[: len(k) - len(name)] + CODEBOOK_NAMES[FACTOR_NAMES.index(name)]] = table.to(
+            factors[k].device
+        )
+    return out, factors
+
+
+def training_state(
+    state: dict[str, torch.Tensor],
+    factors: dict[str, torch.Tensor],
+    selector: CandidateSelector | None,
+) -> dict[str, torch.Tensor]:
+    """The inverse of serving_state for a resume: the factors back in place of the tables.
+
+    A ValueError when an embedding-mode run meets a checkpoint without factors (one a
+    tables-mode run wrote), or a tables-mode run meets factors."""
+    embedding = selector is not None and selector.codebooks == "embedding"
+    if not embedding:
+        if factors:
+            raise ValueError("the checkpoint holds selector factors (selector_codebooks=embedding)")
+        return state
+    if sorted(k.rsplit(".", 1)[-1] for k in factors) != sorted(FACTOR_NAMES):
+        raise ValueError("the checkpoint has no selector factors (selector_codebooks=tables)")
+    out = {k: v for k, v in state.items() if k not in _selector_keys(state, CODEBOOK_NAMES)}
+    out.update(factors)
+    return out
 
 
 def _follow(choice_SK: torch.Tensor) -> torch.Tensor:

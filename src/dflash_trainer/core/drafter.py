@@ -246,7 +246,11 @@ class ContextCache:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, spec: DrafterSpec, noise_std: float = 0.0) -> None:
+    def __init__(
+        self, spec: DrafterSpec, noise_std: float = 0.0, selector_codebooks: str = "tables"
+    ) -> None:
+        """`selector_codebooks`: how a DFlash2 selector's codebooks are trained
+        (CandidateSelector); every drafter file holds them as tables."""
         super().__init__()
         self.spec = spec
         self.noise_std = noise_std
@@ -258,7 +262,7 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector: CandidateSelector | None = None
         if spec.is_dflash2:
             self.candidate_selector = CandidateSelector(
-                spec.hidden_size, spec.vocab_size, spec.selector_rank
+                spec.hidden_size, spec.vocab_size, spec.selector_rank, selector_codebooks
             )
         self.reset_parameters()
 

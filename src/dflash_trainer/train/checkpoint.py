@@ -58,6 +58,7 @@ from dflash_trainer.train.optim import flatten_optimizer, unflatten_optimizer
 LATEST = "LATEST"
 COMPLETE = "COMPLETE"
 CHECKSUMS = "checksums.json"
+SELECTOR_FACTORS = "selector_factors.safetensors"
 _STEP_NAME = re.compile(r"^step_[0-9]{8,}$")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 """A file name in checksums.json: no directory part, so no path out of the checkpoint."""
@@ -74,6 +75,8 @@ class CheckpointState:
     optimizer_state: dict[str, Any]
     trainer_state: dict[str, Any]
     rng_tensors: dict[str, torch.Tensor]
+    selector_factors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """An embedding-mode DFlash2 selector's trained factors (core/dflash2.serving_state)."""
 
 
 @dataclass
@@ -92,6 +95,8 @@ class CheckpointData:
     """meta.json: what trained it (config sections, prepared data; train_state.run_meta)."""
     verified: bool = True
     """False: it has no checksums.json (written before checksums existed)."""
+    selector_factors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """SELECTOR_FACTORS, when the run trained an embedding-mode selector."""
 
 
 def _warn(msg: str) -> None:
@@ -156,8 +161,17 @@ def _read_files(d: Path, name: str, location: str) -> CheckpointData:
         read_json(d / name, what) if os.path.lexists(d / name) else {}
         for name, what in ((SPEC_FILE, "drafter spec"), (META_FILE, "checkpoint meta"))
     )
+    factors = load_checked(d / SELECTOR_FACTORS, d) if os.path.lexists(d / SELECTOR_FACTORS) else {}
     return CheckpointData(
-        name, location, drafter_state, opt, trainer_state, rng, spec=spec, meta=meta
+        name,
+        location,
+        drafter_state,
+        opt,
+        trainer_state,
+        rng,
+        spec=spec,
+        meta=meta,
+        selector_factors=factors,
     )
 
 
@@ -256,6 +270,11 @@ class Checkpointer:
             d / "trainer_state.safetensors",
         )
         (d / "trainer_state.json").write_text(json.dumps(state.trainer_state, indent=2))
+        if state.selector_factors:
+            save_safetensors(
+                {k: v.cpu().contiguous() for k, v in state.selector_factors.items()},
+                d / SELECTOR_FACTORS,
+            )
         # Checksums of the files as written, then the marker: a checkpoint with
         # COMPLETE always has its checksums.
         sums = {f.name: _sha256(f) for f in sorted(d.iterdir()) if f.name != MARKER}

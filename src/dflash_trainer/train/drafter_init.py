@@ -48,6 +48,13 @@ def init_drafter_from(
             f"drafter.init_from={path}: its geometry differs from this config's: {diffs}; "
             "make the drafter section match the imported drafter"
         )
+    sel = drafter.candidate_selector
+    if sel is not None and sel.codebooks == "embedding" and spec.is_dflash2:
+        raise DFlashError(
+            f"drafter.init_from={path}: its selector's codebooks are trained tables, which "
+            "drafter.selector_codebooks=embedding cannot continue; continue it with "
+            "selector_codebooks=tables (or start the selector from a DFlash drafter)"
+        )
     missing, unexpected = drafter.load_state_dict(
         {k: v.float() for k, v in state.items()}, strict=False
     )

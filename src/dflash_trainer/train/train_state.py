@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.core.dflash2 import CandidateSelector, serving_state, training_state
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.batching import Position
@@ -87,6 +88,11 @@ def _fsdp_drafter(tr: Trainer) -> bool:
     return tr.world.distributed and tr.cfg.distributed.data_parallel == "fsdp"
 
 
+def _selector(tr: Trainer) -> CandidateSelector | None:
+    sel = getattr(tr.drafter, "candidate_selector", None)
+    return sel if isinstance(sel, CandidateSelector) else None
+
+
 def full_states(tr: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Unsharded model and optimizer state (a collective under FSDP: every rank calls)."""
     if not _fsdp_drafter(tr):
@@ -122,8 +128,18 @@ def capture_state(
         "world_size": tr.world.world_size,
         "total_steps": tr.total_steps,
     }
+    # The drafter file holds the published layout (tables) whatever the selector trains;
+    # an embedding-mode selector's factors travel beside it for the resume.
+    drafter_state, factors = serving_state(drafter_state, _selector(tr))
     return CheckpointState(
-        tr.step, tr.spec, drafter_state, run_meta(tr), optimizer_state, trainer_state, rng
+        tr.step,
+        tr.spec,
+        drafter_state,
+        run_meta(tr),
+        optimizer_state,
+        trainer_state,
+        rng,
+        selector_factors=factors,
     )
 
 
@@ -145,6 +161,12 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
             f"has {tr.world.world_size}. Resume with the same number of ranks (the data "
             "order and anchor streams are per rank)"
         )
+    try:
+        drafter_state = training_state(data.drafter_state, data.selector_factors, _selector(tr))
+    except ValueError as e:
+        raise DFlashError(
+            f"{data.location}: {e}; resume with the drafter.selector_codebooks that wrote it"
+        ) from e
     if _fsdp_drafter(tr):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -153,12 +175,12 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
         )
 
         opts = StateDictOptions(full_state_dict=True)
-        full: Any = data.drafter_state
+        full: Any = drafter_state
         set_model_state_dict(tr.model, full, options=opts)
         set_optimizer_state_dict(tr.model, tr.optimizer, data.optimizer_state, options=opts)
     else:
         try:
-            tr.drafter.load_state_dict(data.drafter_state)
+            tr.drafter.load_state_dict(drafter_state)
             tr.optimizer.load_state_dict(data.optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
             raise DFlashError(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import Config, config_to_dict
+from dflash_trainer.core.dflash2 import serving_state
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.data.tokenizer_check import check_train_data
@@ -181,7 +182,12 @@ class Trainer(Stepper):
     def _build_drafter(self) -> None:
         t = self.cfg.training
         torch.manual_seed(t.seed)
-        self.drafter = DFlashDrafter(self.spec, noise_std=t.noise_std)
+        self.drafter = DFlashDrafter(
+            self.spec, noise_std=t.noise_std, selector_codebooks=self.cfg.drafter.selector_codebooks
+        )
+        if self.drafter.candidate_selector is not None:
+            emb = self.target.model.get_input_embeddings().weight
+            self.drafter.candidate_selector.attach_embedding(emb.to(self.world.drafter_device))
         self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
             path = self.cfg.drafter.init_from
@@ -461,6 +467,7 @@ class Trainer(Stepper):
             return
         from dflash_trainer.formats.drafter_io import write_drafter_dir
 
+        state, _ = serving_state(state, self.drafter.candidate_selector)
         lineage = files_for_run(self, state, config_to_dict(self.cfg))
         write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self), lineage)
         self._log(f"final drafter written to {self.run_dir / 'drafter'}")
