@@ -12,6 +12,7 @@ from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 from trainer_utils import tiny_config
 
+from dflash_trainer.core.dflash2 import serving_state
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.trainer import Trainer
 
@@ -70,14 +71,20 @@ def _single_process_reference(
     )
     tr = Trainer(cfg, log_to_console=False)
     tr.train()
-    return {k: v.detach().clone() for k, v in tr.drafter.state_dict().items()}
+    # As the drafter file holds it (embedding-mode selector factors made into tables).
+    state, _ = serving_state(tr.drafter.state_dict(), tr.drafter.candidate_selector)
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dflash2-embedding"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, parallel, kind):
-    drafter = DFLASH2 if kind == "dflash2" else None
+    drafter = {
+        "dflash": None,
+        "dflash2": DFLASH2,
+        "dflash2-embedding": {**DFLASH2, "selector_codebooks": "embedding"},
+    }[kind]
     rcs, outs = _launch(tmp_path, parallel, steps=3, drafter=drafter)
     assert rcs == [0, 0], "\n".join(outs)
     ref = _single_process_reference(tmp_path, steps=3, drafter=drafter)

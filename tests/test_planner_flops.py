@@ -80,17 +80,22 @@ def _shape_of(blocks, spec) -> StepShape:
     )
 
 
+CASES = [(cfg, "tables") for cfg in SPECS] + [(SPECS[-1], "embedding")]
+
+
 @pytest.mark.parametrize("loss", ["ce", "kl"])
-@pytest.mark.parametrize("cfg", SPECS)
-def test_drafter_step_flops_match_flop_counter(cfg, loss):
+@pytest.mark.parametrize(("cfg", "codebooks"), CASES)
+def test_drafter_step_flops_match_flop_counter(cfg, codebooks, loss):
     torch.manual_seed(0)
     spec = make_spec(**cfg)
-    model = DFlashDrafter(spec, noise_std=0.05).train()
+    model = DFlashDrafter(spec, noise_std=0.05, selector_codebooks=codebooks).train()
     ids, masks = random_docs([50, 70, 33], vocab=spec.vocab_size - 1, p_mask=0.7)
     pack = pack_documents(ids, masks)
     feats = torch.randn(pack.length, spec.num_context_features)
     final = torch.randn(pack.length, spec.hidden_size) if loss == "kl" else None
     emb = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).requires_grad_(False)
+    if model.candidate_selector is not None:
+        model.candidate_selector.attach_embedding(emb.weight)
     st = _settings(spec, loss)
     blocks = prepare_blocks(
         TargetOut(pack, feats, final),
@@ -108,7 +113,7 @@ def test_drafter_step_flops_match_flop_counter(cfg, loss):
         drafter_forward_flops(spec, shape, "dense").total()
         + drafter_backward_flops(spec, shape, "dense").total()
         + loss_flops(spec, shape.rows, loss).total()
-        + selector_flops(spec, shape.queries).total()
+        + selector_flops(spec, shape.queries, codebooks).total()
     )
     assert measured > 0
     assert predicted == pytest.approx(measured, rel=0.05)
@@ -124,6 +129,9 @@ def test_drafter_params_are_exact(cfg):
         spec, kind="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=6
     )
     assert drafter_params(d2) == count_parameters(DFlashDrafter(d2))
+    # Embedding-mode codebooks train [H, r] factors instead of [V, r] tables.
+    emb = DFlashDrafter(d2, selector_codebooks="embedding")
+    assert drafter_params(d2, "embedding") == count_parameters(emb) < drafter_params(d2)
 
 
 @pytest.mark.parametrize("window", [None, 3, 40])

@@ -72,6 +72,11 @@ def test_the_tables_it_writes_score_exactly_as_it_does():
     la, lb = sel.lattice(hs, anchor, cs, us), tables.lattice(hs, anchor, cs, us)
     torch.testing.assert_close(la, lb)
     assert torch.equal(walk_greedy(la), walk_greedy(lb))
+    # Many rows (a training step's candidates) take the whole-codebook path: same rows.
+    many = torch.randint(0, 40, (3, 30), generator=g)
+    torch.testing.assert_close(
+        sel._rows(True, many), torch.stack([sel._rows(True, row) for row in many])
+    )
     # And back: the factors replace the tables for a resume.
     back = training_state(state, factors, sel)
     assert sorted(back) == sorted(sel.state_dict())

@@ -155,8 +155,13 @@ class CandidateSelector(nn.Module):
             return upcast(table[ids])
         if self.embedding is None:
             raise RuntimeError("an embedding-mode selector needs attach_embedding() first")
-        e = self.embedding.to(table.device)[ids]
-        return upcast(e.to(table.dtype) @ table)
+        e = self.embedding.to(table.device)
+        if ids.numel() > e.shape[0]:
+            # More rows asked than the vocabulary has (a training step's R x K candidates):
+            # the whole [V, r] codebook once (2VHr FLOPs, and as much back) is cheaper than
+            # projecting every gathered row (2 R K H r).
+            return upcast((e.to(table.dtype) @ table)[ids])
+        return upcast(e[ids].to(table.dtype) @ table)
 
     def materialized(self) -> dict[str, torch.Tensor]:
         """The two [V, r] codebooks this selector scores with, fp32 (the serving tables)."""

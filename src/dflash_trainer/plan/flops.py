@@ -70,8 +70,9 @@ class Flops:
 # ----------------------------------------------------------------------------- drafter
 
 
-def drafter_param_counts(spec: DrafterSpec) -> dict[str, int]:
-    """Exact parameter counts of `DFlashDrafter(spec)` by part."""
+def drafter_param_counts(spec: DrafterSpec, codebooks: str = "tables") -> dict[str, int]:
+    """Exact parameter counts of `DFlashDrafter(spec, selector_codebooks=codebooks)` by part
+    (the trained ones: embedding-mode codebooks are [H, r] factors, not [V, r] tables)."""
     h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     hq, hkv = spec.num_attention_heads, spec.num_key_value_heads
     bias = spec.attention_bias
@@ -89,12 +90,13 @@ def drafter_param_counts(spec: DrafterSpec) -> dict[str, int]:
         # Two convolutions a layer: base kernel [2, k, H] + projection [2kG, H].
         out["convolutions"] = spec.num_layers * 2 * (2 * k * h + 2 * k * groups * h)
         r = spec.selector_rank
-        out["selector"] = r * h + 2 * spec.vocab_size * r
+        rows = spec.vocab_size if codebooks == "tables" else h
+        out["selector"] = r * h + 2 * rows * r
     return out
 
 
-def drafter_params(spec: DrafterSpec) -> int:
-    return sum(drafter_param_counts(spec).values())
+def drafter_params(spec: DrafterSpec, codebooks: str = "tables") -> int:
+    return sum(drafter_param_counts(spec, codebooks).values())
 
 
 def drafter_forward_flops(
@@ -120,16 +122,22 @@ def drafter_forward_flops(
     return f
 
 
-def selector_flops(spec: DrafterSpec, rows: float) -> Flops:
+def selector_flops(spec: DrafterSpec, rows: float, codebooks: str = "tables") -> Flops:
     """DFlash2's selector term over R rows, forward and backward: the gate P h (2RHr, and 4RHr
     back: the input and weight gradients) and the pair scores of K candidates (2RKr, and 4RKr
-    back)."""
+    back); embedding-mode codebooks add E' W for the rows of both tables (2 x rows x Hr, and
+    as much back: the weight gradient only, E' is frozen)."""
     f = Flops()
     if not spec.is_dflash2:
         return f
     r, k = spec.selector_rank, spec.selector_top_k
     f.add("selector.gate", 3 * 2 * rows * spec.hidden_size * r, "linear")
     f.add("selector.pairs", 3 * 2 * rows * k * r, "linear")
+    if codebooks == "embedding":
+        # A's rows for R predecessors, B's for R x K candidates; each side projects its
+        # gathered rows or, when they outnumber the vocabulary, the whole table.
+        side_rows = min(spec.vocab_size, rows) + min(spec.vocab_size, rows * k)
+        f.add("selector.codebooks", 2 * 2 * side_rows * spec.hidden_size * r, "linear")
     return f
 
 

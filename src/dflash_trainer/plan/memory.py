@@ -266,11 +266,14 @@ def drafter_memory(
     feature_bytes: int = 2,
     target_tables: int = 1,
     compiled: bool = False,
+    codebooks: str = "tables",
 ) -> DrafterMemory:
-    """compiled: training.compile (Inductor layers, FlexAttention); see drafter_activations."""
+    """compiled: training.compile (Inductor layers, FlexAttention); see drafter_activations.
+    codebooks: drafter.selector_codebooks (embedding: no [V, r] tables among the parameters,
+    but the scaled embedding copy and both materialised tables and their gradients)."""
     t, q, r = shape.ctx_len, shape.queries, shape.rows
     h, v = spec.hidden_size, spec.vocab_size
-    p = sum(drafter_param_counts(spec).values())
+    p = sum(drafter_param_counts(spec, codebooks).values())
     a = 2 if bf16 else 4
     static = {"params_fp32": 4.0 * p, "adam_moments": 8.0 * p}
     if ddp:
@@ -288,6 +291,9 @@ def drafter_memory(
         k, rk = spec.conv_kernel_size, r * spec.selector_top_k
         inputs["dflash2_convolutions"] = float(spec.num_layers * 2 * 2 * (k + 1) * a * q * h)
         inputs["selector_scores"] = float(4.0 * rk * spec.selector_rank * 3 + 4.0 * rk)
+        if codebooks == "embedding":
+            inputs["selector_embedding"] = float(lm_head_bytes * v * h)
+            inputs["selector_tables"] = float(2 * 2 * 4.0 * v * spec.selector_rank)
     if target_tables:
         # The target's lm_head (and, in pairs, its embedding table) kept on this GPU.
         inputs["target_tables"] = float(target_tables * lm_head_bytes * v * h)
@@ -314,7 +320,7 @@ def drafter_memory(
     # are still saved.
     inter = spec.intermediate_size
     mlp_grads = a * 2.0 * q * inter + 4.0 * h * inter
-    layer_params = (sum(drafter_param_counts(spec).values()) - 2 * h) / spec.num_layers
+    layer_params = (sum(drafter_param_counts(spec, codebooks).values()) - 2 * h) / spec.num_layers
     attn_bwd = base + saved - after_attn + bwd_t + 4.0 * layer_params
     ctx_keys = [k for k in act.items if k.startswith(("context", "rope", "autocast"))]
     ctx_saved = sum(act.items[k] for k in ctx_keys)

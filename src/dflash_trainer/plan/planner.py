@@ -272,7 +272,7 @@ def predict(
         shape=shape,
         data=stats,
         target_params=tm.total_params,
-        drafter_params=drafter_params(spec),
+        drafter_params=drafter_params(spec, cfg.drafter.selector_codebooks),
         flops=_flops_dict(s, counted),
         memory=memory,
         times=times,
@@ -306,7 +306,8 @@ def _head_loss(s: _Setup) -> str:
 def _loss_terms(s: _Setup) -> Flops:
     """The head and its terms; DFlash2 adds the selector's scores."""
     f = loss_flops(s.spec, s.shape.rows, _head_loss(s))
-    f.terms += selector_flops(s.spec, s.shape.queries).terms  # it scores every slot
+    # It scores every slot.
+    f.terms += selector_flops(s.spec, s.shape.queries, s.cfg.drafter.selector_codebooks).terms
     return f
 
 
@@ -342,6 +343,7 @@ def _drafter_side(s: _Setup, attention: Attention, layers_compiled: bool) -> Dra
         # the drafter GPU; colocated, both are the target's own tensors.
         target_tables=2 if s.placement == "pairs" else 0,
         compiled=layers_compiled,
+        codebooks=s.cfg.drafter.selector_codebooks,
     )
 
 
@@ -398,7 +400,7 @@ def _step_times(s: _Setup, f: _StepFlops, calibration: Calibration | None) -> St
         dmem.activation_bytes,
         shape.rows * spec.vocab_size,
         _head_loss(s),
-        drafter_params(spec),
+        drafter_params(spec, s.cfg.drafter.selector_codebooks),
         rates,
         s.dp,
         score_bytes,
