@@ -28,6 +28,7 @@ from headline_report import GOALS, _row, _where
 
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.card import read_eval_report
+from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import read_lineage, totals
 
 
@@ -81,15 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         "has no t=1 of, each with its own device",
     )
     args = ap.parse_args(argv)
-    summary = json.loads(args.eval.read_text())
+    try:  # a regular file of bounded size: a FIFO named here would block the report
+        summary = json.loads(read_small_text(args.eval, "comparison summary"))
+    except (DFlashError, ValueError) as e:
+        raise SystemExit(f"--eval {args.eval}: {e}") from e
+    if not isinstance(summary, dict):
+        raise SystemExit(f"--eval {args.eval}: not a comparison summary (a JSON object)")
     env = summary.get("environment") or {}
     device = env.get("gpu") or env.get("device")
     new, old = rows(summary, "new", device), rows(summary, "published", device)
     for path in args.t1:
         try:  # regular files only, size-bounded, checked for its sets
-            report = read_eval_report(path)
+            report = read_eval_report(path, "--t1")
         except DFlashError as e:
-            raise SystemExit(f"--t1: {e}") from e
+            raise SystemExit(str(e)) from e
         for name, result in report["sets"].items():
             new.setdefault(name, {}).setdefault("t1", _row(result, _where(report)))
     lineage = read_lineage(args.drafter)

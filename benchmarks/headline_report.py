@@ -36,11 +36,11 @@ GOALS = {
 }
 
 
-def _report(eval_dir: Path) -> dict[str, Any]:
+def _report(eval_dir: Path, flag: str) -> dict[str, Any]:
     # Through the package's reader: a regular file of bounded size (a FIFO named here would
     # block the report), its sets checked; the message names the file and the fix.
     try:
-        return read_eval_report(eval_dir)
+        return read_eval_report(eval_dir, flag)
     except DFlashError as e:
         raise SystemExit(str(e)) from e
 
@@ -74,12 +74,12 @@ def build(t0: list[Path], t1: list[Path], eager: Path | None, drafter: str) -> d
     out: dict[str, Any] = {}
     for temp, dirs in (("t0", t0), ("t1", t1)):
         for d in dirs:
-            report = _report(d)
+            report = _report(d, f"--{temp}")
             where = _where(report)
             for name, s in report["sets"].items():
                 out.setdefault(name, {}).setdefault(temp, _row(s, where))
     if eager is not None:
-        for name, s in _report(eager)["sets"].items():
+        for name, s in _report(eager, "--eager")["sets"].items():
             row = out.get(name, {}).get("t0")
             hf = s.get("baseline_decode_tokens_per_s")
             if row and hf and row.get("decode_tokens_per_s"):

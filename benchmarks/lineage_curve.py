@@ -71,9 +71,9 @@ def reference(arg: str, sets: list[str]) -> dict[str, Any]:
     if not sep or not label or len(parts) != 3 or not all(x.isdigit() for x in parts[:2]):
         raise SystemExit(f"--reference {arg!r}: write LABEL=TURNS,TOKENS,EVAL_JSON")
     try:  # regular files only, size-bounded, checked for its sets
-        served = read_eval_report(parts[2])["sets"]
+        served = read_eval_report(parts[2], "--reference")["sets"]
     except DFlashError as e:
-        raise SystemExit(f"--reference {arg!r}: {e}") from e
+        raise SystemExit(str(e)) from e
     taus = {s: (served.get(s) or {}).get("tau") for s in sets}
     if not any(isinstance(t, float | int) for t in taus.values()):
         raise SystemExit(f"--reference {arg!r}: the report serves none of {', '.join(sets)}")

@@ -100,20 +100,21 @@ def _json_block(title: str, value: Any) -> list[str]:
     return [f"## {title}", "", "```json", text, "```", ""]
 
 
-def read_eval_report(path: str | Path) -> dict[str, Any]:
-    """A `dflash eval` report (eval.json, or the directory holding it), checked for its sets."""
+def read_eval_report(path: str | Path, flag: str = "--eval") -> dict[str, Any]:
+    """A `dflash eval` report (eval.json, or the directory holding it), checked for its sets;
+    `flag` is the caller's option that named it (its errors name that option)."""
     p = Path(path)
     p = p / "eval.json" if p.is_dir() else p
     try:
         report = json.loads(read_small_text(p, "eval report"))
     except (OSError, ValueError, RecursionError, DFlashError) as e:
         raise DFlashError(
-            f"--eval {path}: cannot read a `dflash eval` report ({e}); pass the eval.json "
+            f"{flag} {path}: cannot read a `dflash eval` report ({e}); pass the eval.json "
             "(or its --out-dir) that `dflash eval` wrote"
         ) from e
     sets = report.get("sets") if isinstance(report, dict) else None
     if not isinstance(sets, dict) or not all(isinstance(v, dict) for v in sets.values()):
-        raise DFlashError(f"--eval {path}: not a `dflash eval` report (no prompt sets in it)")
+        raise DFlashError(f"{flag} {path}: not a `dflash eval` report (no prompt sets in it)")
     return dict(report)
 
 
