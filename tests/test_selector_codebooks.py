@@ -90,7 +90,7 @@ def test_a_pair_learned_on_one_token_reaches_a_token_with_the_same_embedding():
     """What the parameterisation is for: tables learn only the rows they see; through the
     embedding, a token whose embedding equals a trained token's scores the same."""
     vocab, hidden = 30, 12
-    emb = torch.randn(vocab, hidden)
+    emb = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(3))
     emb[7] = emb[5]  # token 7 is never trained on but shares token 5's embedding
     results = {}
     for mode in ("tables", "embedding"):
@@ -112,7 +112,8 @@ def test_a_pair_learned_on_one_token_reaches_a_token_with_the_same_embedding():
     # Tables: row 7 never moved, its pair term is still 0 while token 5's grew.
     assert results["tables"][1] == 0.0 and results["tables"][0] > 1.0
     # Embedding: token 7 gets exactly what token 5 learned.
-    assert results["embedding"][1] == results["embedding"][0] > 1.0
+    assert results["embedding"][1] == pytest.approx(results["embedding"][0], rel=1e-5)
+    assert results["embedding"][0] > 1.0
 
 
 def test_an_embedding_mode_run_writes_tables_resumes_exactly_and_serves_what_it_trained(tmp_path):

@@ -185,9 +185,10 @@ class Trainer(Stepper):
         self.drafter = DFlashDrafter(
             self.spec, noise_std=t.noise_std, selector_codebooks=self.cfg.drafter.selector_codebooks
         )
-        if self.drafter.candidate_selector is not None:
+        sel = self.drafter.candidate_selector
+        if sel is not None and sel.codebooks == "embedding":  # tables need no embedding copy
             emb = self.target.model.get_input_embeddings().weight
-            self.drafter.candidate_selector.attach_embedding(emb.to(self.world.drafter_device))
+            sel.attach_embedding(emb.to(self.world.drafter_device))
         self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
             path = self.cfg.drafter.init_from
