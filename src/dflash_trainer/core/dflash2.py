@@ -105,7 +105,7 @@ class CandidateSelector(nn.Module):
     A table row learns only from the pairs its token takes part in, so a short run on a few
     million tokens fits the pairs it saw; through E every pair informs every token with a
     similar embedding, with 2 H r instead of 2 V r parameters. Served drafters always hold
-    the tables: `materialized` computes them (`serving_state`).
+    the tables: `serving_state` computes them.
     """
 
     def __init__(self, hidden: int, vocab: int, rank: int, codebooks: str = "tables") -> None:
@@ -162,19 +162,6 @@ class CandidateSelector(nn.Module):
             # projecting every gathered row (2 R K H r).
             return upcast((e.to(table.dtype) @ table)[ids])
         return upcast(e[ids].to(table.dtype) @ table)
-
-    def materialized(self) -> dict[str, torch.Tensor]:
-        """The two [V, r] codebooks this selector scores with, fp32 (the serving tables)."""
-        if self.codebooks == "tables":
-            return {n: getattr(self, n).detach().float() for n in CODEBOOK_NAMES}
-        if self.embedding is None:
-            raise RuntimeError("an embedding-mode selector needs attach_embedding() first")
-        with torch.no_grad():
-            e = self.embedding.float()
-            return {
-                out: (e @ getattr(self, n).detach().float().to(e.device))
-                for out, n in zip(CODEBOOK_NAMES, FACTOR_NAMES)
-            }
 
     def gate(self, hidden_RH: torch.Tensor) -> torch.Tensor:
         """P h [R, r], at least fp32."""
