@@ -252,6 +252,25 @@ class DrafterMemory:
         return sum(self.activations.values())
 
 
+def _dflash2_inputs(
+    spec: DrafterSpec, q: int, r: float, a: int, lm_head_bytes: int, codebooks: str
+) -> dict[str, float]:
+    """Bytes a DFlash2 drafter adds to a step's inputs."""
+    h, v = spec.hidden_size, spec.vocab_size
+    # Saved for backward: each convolution's padded input and per-slot kernels (about
+    # k + 1 rows of [Q, H] a side), and the selector's codebook rows and scores over R x K.
+    k, rk = spec.conv_kernel_size, r * spec.selector_top_k
+    out = {
+        "dflash2_convolutions": float(spec.num_layers * 2 * 2 * (k + 1) * a * q * h),
+        "selector_scores": float(4.0 * rk * spec.selector_rank * 3 + 4.0 * rk),
+    }
+    if codebooks == "embedding":
+        # The scaled embedding copy, and both [V, r] tables made from it with their grads.
+        out["selector_embedding"] = float(lm_head_bytes * v * h)
+        out["selector_tables"] = float(2 * 2 * 4.0 * v * spec.selector_rank)
+    return out
+
+
 def drafter_memory(
     spec: DrafterSpec,
     shape: StepShape,
@@ -286,14 +305,7 @@ def drafter_memory(
     if loss in ("kl", "lk"):
         inputs["target_hidden_rows"] = float(lm_head_bytes * q * h)
     if spec.is_dflash2:
-        # Saved for backward: each convolution's padded input and per-slot kernels (about
-        # k + 1 rows of [Q, H] a side), and the selector's codebook rows and scores over R x K.
-        k, rk = spec.conv_kernel_size, r * spec.selector_top_k
-        inputs["dflash2_convolutions"] = float(spec.num_layers * 2 * 2 * (k + 1) * a * q * h)
-        inputs["selector_scores"] = float(4.0 * rk * spec.selector_rank * 3 + 4.0 * rk)
-        if codebooks == "embedding":
-            inputs["selector_embedding"] = float(lm_head_bytes * v * h)
-            inputs["selector_tables"] = float(2 * 2 * 4.0 * v * spec.selector_rank)
+        inputs.update(_dflash2_inputs(spec, q, r, a, lm_head_bytes, codebooks))
     if target_tables:
         # The target's lm_head (and, in pairs, its embedding table) kept on this GPU.
         inputs["target_tables"] = float(target_tables * lm_head_bytes * v * h)
