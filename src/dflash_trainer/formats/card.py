@@ -178,6 +178,39 @@ def _meta_from_lineage(meta: dict[str, Any], lineage: dict[str, Any]) -> dict[st
     return out
 
 
+def _drafter_lines(spec: DrafterSpec) -> list[str]:
+    types = ", ".join(f"{spec.layer_types.count(t)}x {t}" for t in sorted(set(spec.layer_types)))
+    return [
+        "## Drafter",
+        "",
+        f"- {spec.num_layers} layers ({types}), sliding_window {spec.sliding_window}",
+        f"- hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
+        f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, "
+        f"head_dim {spec.head_dim}, rope_theta {spec.rope_theta:g}",
+        f"- block_size {spec.block_size} ({spec.block_size - 1} drafted tokens per step), "
+        f"mask_token_id {spec.mask_token_id}",
+        f"- target_layer_ids {list(spec.target_layer_ids)} of {spec.num_target_hidden_layers} "
+        "(0-based decoder layers)",
+        "",
+    ]
+
+
+def _serve_lines(spec: DrafterSpec, fmt: str, out: str, target: str | None) -> list[str]:
+    lines = ["## Serve", ""]
+    if spec.is_dflash2:
+        lines += [
+            f"The architecture `{ARCHITECTURE_V2}` in config.json selects DFlash2: vLLM >= 0.28 "
+            "(its V2 model runner; vLLM also needs the target's lm_head unquantized for the "
+            "candidates) and SGLang's DFLASH algorithm run the convolutions and the "
+            "selector; an engine without DFlash2 support fails to load it or ignores them.",
+            "",
+        ]
+    for engine, cmd in serve_commands(fmt, out, target, spec).items():
+        lang = "python" if "transformers" in engine else "bash"
+        lines += [f"{engine}:", "", f"```{lang}", cmd, "```", ""]
+    return lines
+
+
 def model_card(
     spec: DrafterSpec,
     meta: dict[str, Any],
@@ -207,20 +240,7 @@ def model_card(
     if gguf:
         lines.append(f"- gguf_file: `{gguf}`")
     lines += [""]
-    types = ", ".join(f"{spec.layer_types.count(t)}x {t}" for t in sorted(set(spec.layer_types)))
-    lines += [
-        "## Drafter",
-        "",
-        f"- {spec.num_layers} layers ({types}), sliding_window {spec.sliding_window}",
-        f"- hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
-        f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, "
-        f"head_dim {spec.head_dim}, rope_theta {spec.rope_theta:g}",
-        f"- block_size {spec.block_size} ({spec.block_size - 1} drafted tokens per step), "
-        f"mask_token_id {spec.mask_token_id}",
-        f"- target_layer_ids {list(spec.target_layer_ids)} of {spec.num_target_hidden_layers} "
-        "(0-based decoder layers)",
-        "",
-    ]
+    lines += _drafter_lines(spec)
     lines += [f"Training step: {meta.get('step', 'not recorded')}", ""]
     lines += _json_block("Training recipe", meta.get("training"))
     lines += _json_block("Training data", meta.get("data"))
@@ -243,18 +263,7 @@ def model_card(
             "REPORT` to record it here).",
             "",
         ]
-    lines += ["## Serve", ""]
-    if spec.is_dflash2:
-        lines += [
-            f"The architecture `{ARCHITECTURE_V2}` in config.json selects DFlash2: vLLM >= 0.28 "
-            "(its V2 model runner; vLLM also needs the target's lm_head unquantized for the "
-            "candidates) and SGLang's DFLASH algorithm run the convolutions and the "
-            "selector; an engine without DFlash2 support fails to load it or ignores them.",
-            "",
-        ]
-    for engine, cmd in serve_commands(fmt, out, target, spec).items():
-        lang = "python" if "transformers" in engine else "bash"
-        lines += [f"{engine}:", "", f"```{lang}", cmd, "```", ""]
+    lines += _serve_lines(spec, fmt, out, target)
     source = _value(meta, "source", "path")
     if source:
         lines += [f"Imported from `{source}` ({_value(meta, 'source', 'format')} layout).", ""]
