@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer_utils import tiny_config
+from trainer_utils import stop_after_checkpoint, tiny_config
 
 from dflash_trainer.config import ConfigError
 from dflash_trainer.core.dflash2 import (
@@ -140,17 +140,7 @@ def test_an_embedding_mode_run_writes_tables_resumes_exactly_and_serves_what_it_
     ).is_file()
 
     part = tiny_config(tmp_path, drafter=D2, run={"output_dir": str(tmp_path / "part")})
-    tr = Trainer(part, log_to_console=False)
-    tr.total_steps = 8
-    tr._stop_signal = None
-    window = []
-    while tr.step < 4:
-        window.append(tr.train_step())
-        if tr.step % 2 == 0:
-            tr._log_window(window)
-            window = []
-    tr.save_checkpoint()
-    tr.metrics.close()
+    stop_after_checkpoint(part)
     Trainer(part, resume=True, log_to_console=False).train()
     a = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "full")]
     b = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "part")]

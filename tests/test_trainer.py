@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from trainer_utils import tiny_config, write_prepared
+from trainer_utils import stop_after_checkpoint, tiny_config, write_prepared
 
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.checkpoint import Checkpointer
@@ -65,18 +65,8 @@ def test_resume_is_bit_exact(tmp_path):
     full = tiny_config(tmp_path, run={"output_dir": str(tmp_path / "full")})
     Trainer(full, log_to_console=False).train()
     part = tiny_config(tmp_path, run={"output_dir": str(tmp_path / "part")})
-    tr = Trainer(part, log_to_console=False)
-    tr.total_steps = 8
     # Stop right after the step-4 checkpoint, as a SIGTERM between steps would.
-    tr._stop_signal = None
-    window = []
-    while tr.step < 4:
-        window.append(tr.train_step())
-        if tr.step % 2 == 0:
-            tr._log_window(window)
-            window = []
-    tr.save_checkpoint()
-    tr.metrics.close()
+    stop_after_checkpoint(part)
     # A fresh process-equivalent: new Trainer, resume from the run directory.
     resumed = Trainer(part, resume=True, log_to_console=False)
     assert resumed.step == 4

@@ -130,6 +130,24 @@ def train_finished_run(tmp: Path) -> Config:
     return cfg
 
 
+def stop_after_checkpoint(cfg: Config, total_steps: int = 8, stop_at: int = 4) -> None:
+    """Train `cfg` to step `stop_at` of a `total_steps` schedule, logging every 2 steps, and
+    checkpoint there: the run a SIGTERM between steps leaves behind, for a resume to finish."""
+    from dflash_trainer.train.trainer import Trainer
+
+    tr = Trainer(cfg, log_to_console=False)
+    tr.total_steps = total_steps
+    tr._stop_signal = None
+    window = []
+    while tr.step < stop_at:
+        window.append(tr.train_step())
+        if tr.step % 2 == 0:
+            tr._log_window(window)
+            window = []
+    tr.save_checkpoint()
+    tr.metrics.close()
+
+
 def copy_run(finished: tuple[Path, Config], dest: Path) -> Config:
     """A copy of the finished run under `dest`, and its config pointing there."""
     import shutil

@@ -244,7 +244,10 @@ def training_state(
             raise ValueError("the checkpoint holds selector factors (selector_codebooks=embedding)")
         return state
     if sorted(k.rsplit(".", 1)[-1] for k in factors) != sorted(FACTOR_NAMES):
-        raise ValueError("the checkpoint has no selector factors (selector_codebooks=tables)")
+        raise ValueError(
+            "the checkpoint has no selector factors (selector_factors.safetensors: a run with "
+            "selector_codebooks=tables wrote it, or the file was removed)"
+        )
     out = {k: v for k, v in state.items() if k not in _selector_keys(state, CODEBOOK_NAMES)}
     out.update(factors)
     return out
