@@ -13,6 +13,22 @@ from dflash_trainer.core.geometry import DrafterSpec, init_differences
 from dflash_trainer.errors import DFlashError
 
 
+def new_drafter(
+    spec: DrafterSpec,
+    noise_std: float,
+    codebooks: str,
+    embedding_VH: torch.Tensor,
+    device: torch.device,
+) -> DFlashDrafter:
+    """A freshly initialised drafter of `spec`; an embedding-mode DFlash2 selector gets its
+    copy of the target's input embedding on `device` (tables need none, so none is made)."""
+    drafter = DFlashDrafter(spec, noise_std=noise_std, selector_codebooks=codebooks)
+    sel = drafter.candidate_selector
+    if sel is not None and sel.codebooks == "embedding":
+        sel.attach_embedding(embedding_VH.to(device))
+    return drafter
+
+
 def init_output_norm(drafter: DFlashDrafter, lm_head_weight: torch.Tensor) -> None:
     """Scale the drafter's final norm so its first logits have unit spread.
 

@@ -33,7 +33,6 @@ import torch
 
 from dflash_trainer.config import Config, config_to_dict
 from dflash_trainer.core.dflash2 import serving_state
-from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.data.tokenizer_check import check_train_data
 from dflash_trainer.dir_lock import DirLock, acquire
@@ -46,7 +45,7 @@ from dflash_trainer.train import distributed as D
 from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.checkpoint import CheckpointData, Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
-from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm
+from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm, new_drafter
 from dflash_trainer.train.fast_step import build_fast_step
 from dflash_trainer.train.metrics_window import console_line, window_record
 from dflash_trainer.train.optim import build_optimizer, build_scheduler
@@ -182,13 +181,11 @@ class Trainer(Stepper):
     def _build_drafter(self) -> None:
         t = self.cfg.training
         torch.manual_seed(t.seed)
-        self.drafter = DFlashDrafter(
-            self.spec, noise_std=t.noise_std, selector_codebooks=self.cfg.drafter.selector_codebooks
+        emb = self.target.model.get_input_embeddings().weight
+        codebooks = self.cfg.drafter.selector_codebooks
+        self.drafter = new_drafter(
+            self.spec, t.noise_std, codebooks, emb, self.world.drafter_device
         )
-        sel = self.drafter.candidate_selector
-        if sel is not None and sel.codebooks == "embedding":  # tables need no embedding copy
-            emb = self.target.model.get_input_embeddings().weight
-            sel.attach_embedding(emb.to(self.world.drafter_device))
         self.inherited = Inheritance()  # a drafter from scratch: the lineage starts here
         if self.cfg.drafter.init_from:
             path = self.cfg.drafter.init_from
