@@ -29,7 +29,8 @@
 #   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), GREEDY_DFLASH (1: also
 #   dflash_b16_greedy, its argmax drafts at t > 0; the drafters themselves sample there),
 #   DEVICE (cuda; cpu rehearses with tiny knobs), OUT (benchmarks/out/dflash2_vs_dflash),
-#   RET ($OUT/ret).
+#   RET ($OUT/ret), EVAL_TAG (suffix of the eval stage's name and log: a second eval stage into
+#   the same $OUT/eval, e.g. the block-8 drafters after the block-16 ones, adds to its JSON).
 # Outputs: $OUT/eval/dflash2_vs_dflash.json and a report per drafter, set and temperature;
 #   $OUT/<name>/ the runs; $RET/results.tgz (every JSON, log and plot), $RET/weights-<name>.tgz.part-*
 #   (the DFlash2 b16 drafter's files in bf16, 15 MB parts: `cat ... | tar xz`).
@@ -112,7 +113,7 @@ eval_all() {
   "$PY" benchmarks/dflash2_vs_dflash.py "${args[@]}" --sets "${SETS:-gsm8k,mt-bench,humaneval}" \
     --samples "${SAMPLES:-40}" --max-new-tokens "${EVAL_NEW_TOKENS:-256}" \
     --temperatures "${TEMPS:-0,1}" --candidate-responses "${CAND_RESPONSES:-10}" \
-    --out "$OUT/eval" "${dev[@]}" > "$OUT/eval.log" 2>&1
+    --out "$OUT/eval" "${dev[@]}" > "$OUT/eval${EVAL_TAG:-}.log" 2>&1
 }
 
 pack_weights() {  # a run's final drafter files in bf16, in parts under 16 MB
@@ -143,7 +144,7 @@ PYEOF
 for s in ${STAGES:-prepare train_b16 train_b8 eval}; do
   case $s in
     prepare | train_b16 | train_b8) stage "$s" "$s" ;;
-    eval) stage eval eval_all ;;
+    eval) stage "eval${EVAL_TAG:-}" eval_all ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
