@@ -161,6 +161,20 @@ def test_missing_checksums_warn_that_the_weights_are_unverified(finished, tmp_pa
     assert "step_00000004 has no checksums.json" in err and "unverified" in err, err
 
 
+def test_nan_weights_in_a_checkpoint_are_named_before_any_step(finished, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = copy_run(finished, tmp_path)
+    step = Path(cfg.run.output_dir) / "checkpoints" / "step_00000004"
+    state = load_file(str(step / "drafter.safetensors"))
+    key = sorted(state)[0]
+    state[key] = state[key].clone().fill_(float("inf"))
+    save_file(state, str(step / "drafter.safetensors"))
+    (step / "checksums.json").unlink()  # an edit by hand, with no checksums left to catch it
+    with pytest.raises(DFlashError, match=f"{key} hold NaN or infinite values; restore"):
+        Trainer(cfg, resume=True, log_to_console=False)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "why"),
     [

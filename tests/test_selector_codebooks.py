@@ -11,6 +11,7 @@ from trainer_utils import stop_after_checkpoint, tiny_config
 from dflash_trainer.config import ConfigError
 from dflash_trainer.core.dflash2 import (
     CandidateSelector,
+    DamagedFactors,
     serving_state,
     training_state,
     walk_greedy,
@@ -168,3 +169,51 @@ def test_embedding_mode_is_refused_where_it_cannot_apply(tmp_path):
     )
     with pytest.raises(DFlashError, match="selector_codebooks"):
         Trainer(other, resume=True, log_to_console=False)
+
+
+@pytest.mark.parametrize(
+    ("factors", "says"),
+    [
+        ({"s.predecessor_projection": torch.zeros(12, 6)}, "not exactly"),
+        (
+            {
+                "s.predecessor_projection": torch.zeros(12, 6),
+                "s.successor_projection": torch.zeros(12, 6),
+                "s.extra": torch.zeros(2),
+            },
+            "not exactly",
+        ),
+        (
+            {
+                "s.predecessor_projection": torch.zeros(12, 6, dtype=torch.int32),
+                "s.successor_projection": torch.zeros(12, 6),
+            },
+            "not floating point",
+        ),
+        (
+            {
+                "s.predecessor_projection": torch.zeros(12, 6),
+                "s.successor_projection": torch.full((12, 6), float("nan")),
+            },
+            "NaN or infinite",
+        ),
+    ],
+)
+def test_selector_factors_that_this_trainer_did_not_write_are_refused_by_name(factors, says):
+    sel, _ = _trained_embedding_selector()
+    with pytest.raises(DamagedFactors, match=says):
+        training_state({}, factors, sel)
+
+
+def test_a_resume_from_nan_selector_factors_names_the_file_not_the_data(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    part = tiny_config(tmp_path, drafter=D2, run={"output_dir": str(tmp_path / "part")})
+    stop_after_checkpoint(part)
+    ck = tmp_path / "part" / "checkpoints"
+    step = ck / Checkpointer(str(ck)).latest()
+    f = step / "selector_factors.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(str(f)).items()}, str(f))
+    (step / "checksums.json").unlink()  # an edit by hand, with no checksums left to catch it
+    with pytest.raises(DFlashError, match=r"selector_factors\.safetensors.*NaN.*restore"):
+        Trainer(part, resume=True, log_to_console=False).train()

@@ -243,14 +243,38 @@ def training_state(
         if factors:
             raise ValueError("the checkpoint holds selector factors (selector_codebooks=embedding)")
         return state
-    if sorted(k.rsplit(".", 1)[-1] for k in factors) != sorted(FACTOR_NAMES):
+    if not factors:
         raise ValueError(
             "the checkpoint has no selector factors (selector_factors.safetensors: a run with "
             "selector_codebooks=tables wrote it, or the file was removed)"
         )
+    _check_factors(factors)
     out = {k: v for k, v in state.items() if k not in _selector_keys(state, CODEBOOK_NAMES)}
     out.update(factors)
     return out
+
+
+class DamagedFactors(ValueError):
+    """selector_factors.safetensors is there but is not what this trainer writes."""
+
+
+def _check_factors(factors: dict[str, torch.Tensor]) -> None:
+    # A file that passed its checksums can still have been rewritten by hand or by other
+    # code: a wrong tensor set, integers or NaN would otherwise load (load_state_dict casts)
+    # and fail steps later as a "non-finite loss" that blames the target or the data.
+    names = sorted(k.rsplit(".", 1)[-1] for k in factors)
+    if names != sorted(FACTOR_NAMES):
+        raise DamagedFactors(
+            f"selector_factors.safetensors holds {names}, not exactly {sorted(FACTOR_NAMES)} "
+            "(not written by this trainer)"
+        )
+    for k, v in factors.items():
+        if not v.is_floating_point():
+            raise DamagedFactors(
+                f"selector_factors.safetensors: {k} is {v.dtype}, not floating point"
+            )
+        if not bool(torch.isfinite(v).all()):
+            raise DamagedFactors(f"selector_factors.safetensors: {k} holds NaN or infinite values")
 
 
 def _follow(choice_SK: torch.Tensor) -> torch.Tensor:
