@@ -41,7 +41,8 @@ from dflash_trainer.eval.evaluate import evaluate_prompts
 from dflash_trainer.eval.loading import check_compatible, load_eval_models, read_drafter
 from dflash_trainer.eval.prompts import load_prompt_set, set_label
 from dflash_trainer.eval.report import write_json
-from dflash_trainer.eval.static_decode import compile_drafter_error, resolve_decode
+from dflash_trainer.eval.speculative import DRAFT_SAMPLING
+from dflash_trainer.eval.static_decode import DECODE_MODES, compile_drafter_error, resolve_decode
 
 KEEP = (
     "tau",
@@ -70,17 +71,42 @@ def _speedup(base: dict[str, Any] | None, res: dict[str, Any]) -> float | None:
     return base["tpot_ms"] / spec_tpot if spec_tpot else None
 
 
+def _named(text: str) -> tuple[str, str]:
+    """NAME=PATH, both non-empty (argparse turns the ValueError into a usage error)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH")
+    return name, path
+
+
+def _also(text: str) -> tuple[str, str, str]:
+    """NAME=PATH:SAMPLING, SAMPLING one of speculative.DRAFT_SAMPLING."""
+    name, rest = _named(text)
+    path, sep, sampling = rest.rpartition(":")
+    if not sep or not path or sampling not in DRAFT_SAMPLING:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=PATH:SAMPLING, SAMPLING one of {', '.join(DRAFT_SAMPLING)}"
+        )
+    return name, path, sampling
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--drafter", action="append", required=True, help="NAME=PATH (repeat)")
-    ap.add_argument("--also", action="append", default=[], help="NAME=PATH:SAMPLING at t > 0")
+    ap.add_argument(
+        "--drafter", action="append", type=_named, required=True, help="NAME=PATH (repeat)"
+    )
+    ap.add_argument(
+        "--also", action="append", type=_also, default=[], help="NAME=PATH:SAMPLING at t > 0"
+    )
     ap.add_argument("--sets", default="gsm8k,mt-bench,humaneval")
-    ap.add_argument("--samples", type=int, default=40)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--samples", type=num.count(), default=40)
+    ap.add_argument("--max-new-tokens", type=num.count(), default=256)
     ap.add_argument("--temperatures", type=num.temperatures(), default="0,1")
-    ap.add_argument("--candidates", type=int, default=16, help="K of the t=0 walk (0 = off)")
-    ap.add_argument("--candidate-responses", type=int, default=10)
-    ap.add_argument("--decode", default="auto")
+    ap.add_argument(
+        "--candidates", type=num.integer(), default=16, help="K of the t=0 walk (0 = off)"
+    )
+    ap.add_argument("--candidate-responses", type=num.count(), default=10)
+    ap.add_argument("--decode", choices=DECODE_MODES, default="auto")
     ap.add_argument(
         "--compile-drafter", action="store_true", help="torch.compile each drafter's step"
     )
@@ -91,15 +117,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _drafters(args: argparse.Namespace) -> tuple[Any, dict[str, tuple[DFlashDrafter, str]]]:
     """The loaded models (the target with the first drafter) and {name: (drafter, sampling)}."""
-    named = [d.split("=", 1) for d in args.drafter]
+    named = args.drafter
+    names = [n for n, _ in named] + [n for n, _, _ in args.also]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"dflash2_vs_dflash.py: error: a drafter name is given twice: {names}")
     first = load_eval_models(named[0][1], device=args.device)
     like = cast(DFlashDrafter, first.drafter)  # what load_eval_models reads: a DFlashDrafter
     drafters: dict[str, tuple[DFlashDrafter, str]] = {named[0][0]: (like, "auto")}
     for name, path in named[1:]:
         drafters[name] = (_load(path, like), "auto")
-    for item in args.also:
-        name, rest = item.split("=", 1)
-        path, sampling = rest.rsplit(":", 1)
+    for name, path, sampling in args.also:
         drafters[name] = (_load(path, like), sampling)
     for model, _ in drafters.values():
         check_compatible(model.spec, first.target)

@@ -1,0 +1,42 @@
+"""benchmarks/dflash2_vs_dflash.py refuses malformed drafter arguments with a usage error."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _bench() -> Any:
+    path = Path(__file__).parents[1] / "benchmarks" / "dflash2_vs_dflash.py"
+    spec = importlib.util.spec_from_file_location("dflash2_vs_dflash", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--drafter", "a"], "expected NAME=PATH"),
+        (["--drafter", "=p"], "expected NAME=PATH"),
+        (["--drafter", "a=p", "--also", "b=p"], "expected NAME=PATH:SAMPLING"),
+        (["--drafter", "a=p", "--also", "b=p:hot"], "one of auto, greedy, sample"),
+        (["--drafter", "a=p", "--samples", "0"], "--samples"),
+        (["--drafter", "a=p", "--decode", "fast"], "--decode"),
+    ],
+)
+def test_malformed_arguments_are_usage_errors(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().main([*argv, "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_name_given_twice_is_refused_before_loading(tmp_path):
+    argv = ["--drafter", "a=/nonexistent", "--also", "a=/nonexistent:greedy"]
+    with pytest.raises(SystemExit, match="given twice"):
+        _bench().main([*argv, "--out", str(tmp_path / "o")])
