@@ -11,7 +11,9 @@ speedup over the target alone (both decoded the same way, CUDA graphs on a GPU),
 temperature 0 the candidate walk over the first answers (--candidates K): the drafter's
 walked tau, the oracle top-K tau and per-slot recall@1 / recall@K.
 `--also NAME=RUN:sampling` evaluates a drafter once more with another draft sampling at
-temperature > 0 (e.g. `:greedy`, a drafter's argmax drafts; by default both kinds sample).
+temperature > 0 (e.g. `:greedy`, a drafter's argmax drafts; by default both kinds sample);
+`:auto@0.65` samples its drafts at 0.65 times the temperature (`dflash eval
+--draft-temperature-scale`).
 `--compile-drafter` compiles every drafter's step before its capture (`dflash eval
 --compile-drafter`; --decode static or graphs); each entry's `compiled_drafter` says whether
 it ran compiled (a compile that fails falls back to the uncompiled step, with a warning).
@@ -25,6 +27,7 @@ with each evaluation's full report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -79,15 +82,18 @@ def _named(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _also(text: str) -> tuple[str, str, str]:
-    """NAME=PATH:SAMPLING, SAMPLING one of speculative.DRAFT_SAMPLING."""
+def _also(text: str) -> tuple[str, str, str, float]:
+    """NAME=PATH:SAMPLING[@SCALE], SAMPLING one of speculative.DRAFT_SAMPLING, SCALE the
+    draft temperature scale (default 1)."""
     name, rest = _named(text)
     path, sep, sampling = rest.rpartition(":")
+    sampling, at, scale_text = sampling.partition("@")
     if not sep or not path or sampling not in DRAFT_SAMPLING:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected NAME=PATH:SAMPLING, SAMPLING one of {', '.join(DRAFT_SAMPLING)}"
+            f"{text!r}: expected NAME=PATH:SAMPLING[@SCALE], SAMPLING one of "
+            f"{', '.join(DRAFT_SAMPLING)}"
         )
-    return name, path, sampling
+    return name, path, sampling, num.positive(hi=10)(scale_text) if at else 1.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,20 +121,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _drafters(args: argparse.Namespace) -> tuple[Any, dict[str, tuple[DFlashDrafter, str]]]:
-    """The loaded models (the target with the first drafter) and {name: (drafter, sampling)}."""
+def _drafters(args: argparse.Namespace) -> tuple[Any, dict[str, tuple[DFlashDrafter, str, float]]]:
+    """The loaded models (the target with the first drafter) and {name: (drafter, sampling,
+    draft temperature scale)}."""
     named = args.drafter
-    names = [n for n, _ in named] + [n for n, _, _ in args.also]
+    names = [n for n, _ in named] + [a[0] for a in args.also]
     if len(set(names)) < len(names):
         raise SystemExit(f"dflash2_vs_dflash.py: error: a drafter name is given twice: {names}")
     first = load_eval_models(named[0][1], device=args.device)
     like = cast(DFlashDrafter, first.drafter)  # what load_eval_models reads: a DFlashDrafter
-    drafters: dict[str, tuple[DFlashDrafter, str]] = {named[0][0]: (like, "auto")}
+    drafters: dict[str, tuple[DFlashDrafter, str, float]] = {named[0][0]: (like, "auto", 1.0)}
     for name, path in named[1:]:
-        drafters[name] = (_load(path, like), "auto")
-    for name, path, sampling in args.also:
-        drafters[name] = (_load(path, like), sampling)
-    for model, _ in drafters.values():
+        drafters[name] = (_load(path, like), "auto", 1.0)
+    for name, path, sampling, scale in args.also:
+        drafters[name] = (_load(path, like), sampling, scale)
+    for model, _, _ in drafters.values():
         check_compatible(model.spec, first.target)
     return first, drafters
 
@@ -136,7 +143,7 @@ def _drafters(args: argparse.Namespace) -> tuple[Any, dict[str, tuple[DFlashDraf
 def _one_set(
     args: argparse.Namespace,
     models: Any,
-    drafters: dict[str, tuple[DFlashDrafter, str]],
+    drafters: dict[str, tuple[DFlashDrafter, str, float]],
     temp: float,
     set_name: str,
     summary: dict[str, Any],
@@ -147,8 +154,8 @@ def _one_set(
     ps = load_prompt_set(set_name, args.samples, 0)
     label = set_label(ps.name)
     base: dict[str, Any] | None = None
-    for name, (model, sampling) in drafters.items():
-        if temp == 0 and sampling != "auto":
+    for name, (model, sampling, scale) in drafters.items():
+        if temp == 0 and (sampling != "auto" or scale != 1):
             continue  # draft sampling only matters at t > 0
         t0 = time.perf_counter()
         res = evaluate_prompts(
@@ -156,7 +163,7 @@ def _one_set(
             models.target,
             models.tokenizer,
             [p.messages for p in ps.prompts],
-            cfg,
+            dataclasses.replace(cfg, draft_temperature_scale=scale),
             baseline=base is None,
             prompt_ids=[p.id for p in ps.prompts],
             warmup=True,
@@ -174,6 +181,7 @@ def _one_set(
         entry["tpot_ms"] = res["speculative"]["tpot_ms"]
         entry["decode"], entry["draft_sampling"] = res["decode"], sampling
         entry["compiled_drafter"] = res["compiled_drafter"]
+        entry["draft_temperature_scale"] = scale
         summary.setdefault(name, {}).setdefault(label, {})[tkey] = entry
         write_json(res, out / f"{name}_{label}_{tkey}.json")
         write_json(summary, out / "dflash2_vs_dflash.json")

@@ -64,9 +64,11 @@ def test_dflash2_on_a_dflash_backbone_serves_exactly_as_dflash():
         assert g1.accepted == g2.accepted and g1.tokens == g2.tokens
 
 
-def _static(model: DFlashDrafter, target, block: int, temperature: float = 0.0):
+def _static(model: DFlashDrafter, target, block: int, temperature: float = 0.0, scale: float = 1):
     runner = StaticTargetRunner(target, 128, [(1, False), (block, True)], graphs=False)
-    static = StaticDFlashDrafter(model, target, 128, temperature=temperature)
+    static = StaticDFlashDrafter(
+        model, target, 128, temperature=temperature, draft_temperature_scale=scale
+    )
     return static, runner
 
 
@@ -102,10 +104,13 @@ class Recording:
         return out
 
 
-@pytest.mark.parametrize("sampling", ["auto", "sample", "greedy"])
+@pytest.mark.parametrize(
+    ("sampling", "scale"), [("auto", 1.0), ("sample", 1.0), ("greedy", 1.0), ("auto", 0.5)]
+)
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_static_sampled_drafts_equal_the_dynamic_ones(kind, sampling):
-    """Same seeds, same q rows and tokens: the static step draws from the same uniforms."""
+def test_static_sampled_drafts_equal_the_dynamic_ones(kind, sampling, scale):
+    """Same seeds, same q rows and tokens: the static step draws from the same uniforms (and
+    at the same draft temperature)."""
     target = make_target("llama")
     model = random_dflash(target, 4).model
     if kind == "dflash2":
@@ -114,10 +119,12 @@ def test_static_sampled_drafts_equal_the_dynamic_ones(kind, sampling):
     for static in (False, True):
         runner = None
         if static:
-            inner, runner = _static(model, target, 4, temperature=0.8)
+            inner, runner = _static(model, target, 4, temperature=0.8, scale=scale)
             inner.draft_sampling = sampling
         else:
-            inner = DFlashBlockDrafter(model, target, draft_sampling=sampling)
+            inner = DFlashBlockDrafter(
+                model, target, draft_sampling=sampling, draft_temperature_scale=scale
+            )
         rec = Recording(inner)
         gen = torch.Generator().manual_seed(11)
         g = generate(

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from test_speculative import VOCAB, OracleDrafter, drafter_spec, make_target
+from test_speculative import VOCAB, OracleDrafter, drafter_spec, make_target, random_dflash
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -268,6 +268,18 @@ def test_sampling_eval_is_seeded_and_has_no_lossless_check():
     ]
     assert [r["text"] for r in runs[0]["responses"]] == [r["text"] for r in runs[1]["responses"]]
     assert "lossless_mismatches" not in runs[0] and "speedup" in runs[0]
+
+
+def test_the_draft_temperature_scale_reaches_the_drafts_and_the_report():
+    target, tok = make_target("llama"), word_tokenizer()
+    model = random_dflash(target, 4).model
+    runs = {}
+    for scale in (1.0, 0.3):
+        cfg = EvalConfig(max_new_tokens=16, temperature=1.0, seed=3, draft_temperature_scale=scale)
+        runs[scale] = evaluate_prompts(model, target, tok, CONVERSATIONS, cfg)
+        assert runs[scale]["draft_temperature_scale"] == scale
+    # Same seed, drafts at another temperature: other drafts, other acceptance.
+    assert runs[1.0]["accepted_histogram"] != runs[0.3]["accepted_histogram"]
 
 
 def test_stop_ids_come_from_tokenizer_and_generation_config():

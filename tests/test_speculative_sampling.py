@@ -216,13 +216,18 @@ def sampling_drafter(target: FrozenTarget, kind: str, block: int = 3) -> DFlashD
     return model
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_sampled_drafts_with_rejection_sampling_keep_the_target_distribution(kind):
+@pytest.mark.parametrize(
+    ("kind", "scale"), [("dflash", 1.0), ("dflash2", 1.0), ("dflash", 0.4), ("dflash2", 0.4)]
+)
+def test_sampled_drafts_with_rejection_sampling_keep_the_target_distribution(kind, scale):
     """Drafts drawn from the drafter's q (DFlash: softmax of its logits; DFlash2: the selector
     walk over its top-K) and verified by rejection sampling against that q: the output is
-    still an exact sample of the target."""
+    still an exact sample of the target, also with the drafts at another temperature."""
     target = peaked_target()
-    block = DFlashBlockDrafter(sampling_drafter(target, kind), target, draft_sampling="sample")
+    model = sampling_drafter(target, kind)
+    block = DFlashBlockDrafter(
+        model, target, draft_sampling="sample", draft_temperature_scale=scale
+    )
     gen = torch.Generator().manual_seed(99)
     counts: dict[tuple[int, ...], int] = {}
     accepted = []
@@ -238,7 +243,9 @@ def test_sampled_drafts_with_rejection_sampling_keep_the_target_distribution(kin
         )
         counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
         accepted += g.accepted
-    assert sum(a > 0 for a in accepted) / len(accepted) > 0.15  # the accept branch is exercised
+    # The accept branch is exercised (a sharper q of this random drafter is accepted less).
+    assert sum(a > 0 for a in accepted) / len(accepted) > (0.15 if scale == 1 else 0.05)
+    assert block.temperature == pytest.approx(TEMPERATURE * scale)  # the drafts' temperature
     exact = exact_joint(target, 3, TEMPERATURE, TOP_P)
     impossible = [c for c, p in exact.items() if p == 0 and counts.get(c, 0)]
     assert not impossible, f"sampled outside the top-p nucleus: {impossible}"

@@ -24,7 +24,9 @@
 #   SELECTOR_LR_SCALE (1: the DFlash2 selector's lr as a multiple of LR), CODEBOOKS ("tables":
 #   the DFlash2 runs' drafter.selector_codebooks; "tables embedding" trains both, the second
 #   as dflash2e_b<block>), SERVE (the trained runs to serve; default all), COMPILE_DRAFTER (0;
-#   1 serves every drafter with its step compiled, --compile-drafter), SAMPLES (40),
+#   1 serves every drafter with its step compiled, --compile-drafter), DRAFT_SCALES (e.g.
+#   "0.65": at t > 0 each served drafter again as <name>_x0.65, its drafts sampled at 0.65 x T),
+#   SAMPLES (40),
 #   EVAL_NEW_TOKENS (256), TEMPS ("0,1"), SETS (gsm8k,mt-bench,humaneval),
 #   CAND_RESPONSES (10 answers walked for the t=0 candidate numbers), GREEDY_DFLASH (1: also
 #   dflash_b16_greedy, its argmax drafts at t > 0; the drafters themselves sample there),
@@ -97,9 +99,13 @@ wait_for_init() {  # INIT may arrive after the driver started (a later transfer)
 }
 
 eval_all() {
-  local args=() name
+  local args=() name s
   for name in ${SERVE:-dflash_b16 dflash2_b16 dflash2e_b16 dflash_b8 dflash2_b8 dflash2e_b8}; do
-    [ -d "$OUT/$name/drafter" ] && args+=(--drafter "$name=$OUT/$name")
+    [ -d "$OUT/$name/drafter" ] || continue
+    args+=(--drafter "$name=$OUT/$name")
+    for s in ${DRAFT_SCALES:-}; do  # t > 0 only: the same drafter, drafts at s x T
+      args+=(--also "${name}_x$s=$OUT/$name:auto@$s")
+    done
   done
   if [ "${GREEDY_DFLASH:-1}" = 1 ] && [ -d "$OUT/dflash_b16/drafter" ]; then
     args+=(--also "dflash_b16_greedy=$OUT/dflash_b16:greedy")

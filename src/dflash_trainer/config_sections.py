@@ -422,6 +422,10 @@ class EvalConfig:
     """0 = greedy (lossless check), > 0 = exact sampling."""
     top_p: float = setting(1.0, lo=0, lo_open=True, hi=1)
     """Nucleus sampling of the target when temperature > 0."""
+    draft_temperature_scale: float = setting(1.0, lo=0, lo_open=True, hi=10)
+    """At temperature T > 0 the drafts are sampled at this multiple of T. Lossless at any
+    value (each draft is verified against the exact distribution it was drawn from); only
+    acceptance changes (benchmarks/draft_temperature_t1.py measures it offline)."""
     seed: int = setting(0, **_SEED)
     """Sampling seed."""
     enable_thinking: bool = False

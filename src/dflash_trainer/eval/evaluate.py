@@ -67,13 +67,17 @@ def _block_drafter(
     target: FrozenTarget,
     block_size: int | None,
     draft_sampling: str,
+    draft_temperature_scale: float = 1.0,
 ) -> tuple[BlockDrafter, nn.Module | None]:
     if isinstance(drafter, nn.Module):
         inner = unwrap_module(drafter)
         spec = inner.spec
         assert isinstance(spec, DrafterSpec)
         check_compatible(spec, target)
-        return DFlashBlockDrafter(inner, target, block_size, draft_sampling), inner
+        block = DFlashBlockDrafter(
+            inner, target, block_size, draft_sampling, draft_temperature_scale
+        )
+        return block, inner
     return drafter, None
 
 
@@ -118,7 +122,8 @@ def evaluate_prompts(
     """
     from tqdm import tqdm
 
-    block, module = _block_drafter(drafter, target, block_size, draft_sampling)
+    scale = eval_cfg.draft_temperature_scale
+    block, module = _block_drafter(drafter, target, block_size, draft_sampling, scale)
     engines = DecodeEngines(
         target,
         decode,
@@ -128,6 +133,7 @@ def evaluate_prompts(
         draft_sampling,
         eval_cfg.temperature,
         compile_drafter,
+        scale,
     )
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target.model)
     run = PromptRun(target, tokenizer, eval_cfg, engines, block, baseline, stops)
@@ -145,6 +151,7 @@ def evaluate_prompts(
     out = {
         "decode": engines.mode,
         "compiled_drafter": engines.compile_drafter,
+        "draft_temperature_scale": scale,
         **summarize(run.responses, run.spec_gens, run.base_gens, block.block_size, run.greedy),
     }
     if candidates and run.greedy and module is not None:
@@ -197,6 +204,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="0 = greedy + lossless check",
     )
     p.add_argument("--top-p", type=num.fraction(open_low=True), default=d.top_p)
+    p.add_argument(
+        "--draft-temperature-scale",
+        type=num.positive(hi=10),
+        default=d.draft_temperature_scale,
+        help="at temperature T > 0, sample the drafts at this multiple of T (lossless at any "
+        "value; below 1 sharpens the drafts)",
+    )
     p.add_argument(
         "--seed", type=num.seed(), default=d.seed, help="prompt subset and sampling seed"
     )
@@ -295,6 +309,7 @@ def _run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        draft_temperature_scale=args.draft_temperature_scale,
         seed=args.seed,
         enable_thinking=args.enable_thinking,
     )

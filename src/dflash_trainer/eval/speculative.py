@@ -30,6 +30,7 @@ is `target_runner.py`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class DFlashBlockDrafter:
         target: FrozenTarget,
         block_size: int | None = None,
         draft_sampling: str = "auto",
+        draft_temperature_scale: float = 1.0,
     ):
         self.model: Any = cast(Any, unwrap_module(model))
         spec: DrafterSpec = self.model.spec
@@ -144,6 +146,11 @@ class DFlashBlockDrafter:
                 f"draft sampling {draft_sampling!r}: choose one of {', '.join(DRAFT_SAMPLING)}"
             )
         self.draft_sampling = draft_sampling
+        if not (math.isfinite(draft_temperature_scale) and draft_temperature_scale > 0):
+            raise DFlashError(
+                f"draft temperature scale {draft_temperature_scale}: must be a finite number > 0"
+            )
+        self.draft_temperature_scale = draft_temperature_scale
         self.selector = self.model.candidate_selector
         self.top_k = spec.selector_top_k
         self.temperature = 0.0
@@ -169,8 +176,11 @@ class DFlashBlockDrafter:
         self.model.extend_cache(self.cache, features_SF.to(self.dtype), positions)
 
     def set_sampling(self, temperature: float, generator: torch.Generator | None) -> None:
-        """The loop's temperature and generator (generate() calls this before decoding)."""
-        self.temperature = temperature
+        """The loop's temperature and generator (generate() calls this before decoding).
+
+        Drafts are drawn at `temperature` x draft_temperature_scale: q is whatever they were
+        drawn from, and the verifier reads that same q, so the output stays the target's."""
+        self.temperature = temperature * self.draft_temperature_scale
         self.generator = generator
 
     @property

@@ -309,8 +309,9 @@ class StaticDFlashDrafter(DFlashBlockDrafter):
         draft_sampling: str = "auto",
         temperature: float = 0.0,
         compile_drafter: bool = False,
+        draft_temperature_scale: float = 1.0,
     ) -> None:
-        super().__init__(model, target, block_size, draft_sampling)
+        super().__init__(model, target, block_size, draft_sampling, draft_temperature_scale)
         self.compile_drafter = compile_drafter
         spec = self.model.spec
         dev, dt, b = target.device, self.dtype, self.block_size
@@ -431,8 +432,10 @@ class DecodeEngines:
         draft_sampling: str = "auto",
         temperature: float = 0.0,
         compile_drafter: bool = False,
+        draft_temperature_scale: float = 1.0,
     ) -> None:
         self.target = target
+        self.draft_temperature_scale = draft_temperature_scale
         self.mode = resolve_decode(mode, target)
         if compile_drafter and self.mode == "eager":
             raise compile_drafter_error(mode, target)
@@ -468,6 +471,7 @@ class DecodeEngines:
                     self.draft_sampling,
                     self.temperature,
                     self.compile_drafter,
+                    self.draft_temperature_scale,
                 )
                 # A failed compile warned once: a rebuild at a larger capacity does not retry.
                 self.compile_drafter = self.drafter.compile_drafter
