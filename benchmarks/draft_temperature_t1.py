@@ -14,7 +14,9 @@ p at T = 1 at each slot's position, and the expected tau 1 + sum_k prod_{j <= k}
 block (alpha_j the slot's overlap), averaged over blocks. Greedy drafts (q one-hot on the
 argmax) are reported beside it. The context is teacher-forced along the document's tokens
 (the target's greedy answers for regenerated data), not along sampled text: the absolute
-values sit above served t=1 tau; the comparison between draft temperatures is the point.
+values sit above served t=1 tau, and the ranking of draft temperatures can differ from the
+served one (for the published SmolLM2 drafter it did: 0.65 T ahead here, not when served,
+benchmarks/draft_temperature_t1_smollm2_cpu_202612.md). A screen, not a verdict.
 Prints one JSON object.
 """
 

@@ -425,7 +425,7 @@ class EvalConfig:
     draft_temperature_scale: float = setting(1.0, lo=0, lo_open=True, hi=10)
     """At temperature T > 0 the drafts are sampled at this multiple of T. Lossless at any
     value (each draft is verified against the exact distribution it was drawn from); only
-    acceptance changes (benchmarks/draft_temperature_t1.py measures it offline)."""
+    acceptance changes (measured: benchmarks/draft_temperature_t1_smollm2_cpu_202612.md)."""
     seed: int = setting(0, **_SEED)
     """Sampling seed."""
     enable_thinking: bool = False
