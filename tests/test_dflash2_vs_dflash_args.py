@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 
-def _bench() -> Any:
-    path = Path(__file__).parents[1] / "benchmarks" / "dflash2_vs_dflash.py"
-    spec = importlib.util.spec_from_file_location("dflash2_vs_dflash", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _bench() -> ModuleType:
+    return load_benchmark("dflash2_vs_dflash")
 
 
 @pytest.mark.parametrize(

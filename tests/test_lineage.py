@@ -168,13 +168,9 @@ def _record(chain: Chain, index: int) -> dict:
 
 
 def test_the_lineage_curve_reads_the_recorded_jobs(chain: Chain, tmp_path: Path) -> None:
-    import importlib.util
+    from benchmark_scripts import load_benchmark
 
-    path = Path(__file__).parents[1] / "benchmarks" / "lineage_curve.py"
-    spec = importlib.util.spec_from_file_location("lineage_curve", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("lineage_curve")
     # Block 4: the default goals (GSM8K 4.0) are out of any such drafter's reach, said so.
     argv = [str(chain.runs[2]), "--out", str(tmp_path / "far"), "--block-size", "4"]
     assert mod.main(argv) == 0

@@ -189,17 +189,12 @@ def test_smollm2_greedy_answers_equal_hf_generate() -> None:
 
 
 def test_the_speed_benchmark_runs_and_writes_its_keys(tmp_path: Path) -> None:
-    import importlib.util
     import json
 
+    from benchmark_scripts import load_benchmark
     from test_data_support import tiny_tokenizer, write_jsonl
 
-    spec = importlib.util.spec_from_file_location(
-        "regenerate_speed", Path(__file__).parents[1] / "benchmarks" / "regenerate_speed.py"
-    )
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("regenerate_speed")
     tok = tiny_tokenizer()
     model_dir = tmp_path / "model"
     tiny_llama(len(tok)).save_pretrained(model_dir)

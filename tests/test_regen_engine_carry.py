@@ -129,19 +129,13 @@ def test_the_occupancy_benchmark_counts_planted_answers(
     model is exactly as long as the workload says (the script fails otherwise), the counts
     add up (no token lost or doubled by a carry), and the carrying engine needs no more decode
     steps than the draining one."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
+    from benchmark_scripts import load_benchmark
     from test_data_support import sharegpt, tiny_tokenizer, write_jsonl
 
-    path = Path(__file__).parents[1] / "benchmarks" / "regenerate_occupancy.py"
-    spec = importlib.util.spec_from_file_location("regenerate_occupancy", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclass looks itself up there
-    spec.loader.exec_module(bench)
+    # In sys.modules while it runs: its dataclass looks its module up there.
+    bench = load_benchmark("regenerate_occupancy", monkeypatch)
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     convs = [
         sharegpt(*[(r, f"{r} {c} {t} " * (7 * c + 3 * t + 1)) for t in range(1 + c % 4)

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 
 def _bench() -> Any:
-    path = Path(__file__).parents[1] / "benchmarks" / "scaling_curve.py"
-    spec = importlib.util.spec_from_file_location("scaling_curve", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("scaling_curve")
 
 
 def test_acceptance_and_tau_invert_each_other() -> None:
