@@ -19,6 +19,7 @@ from dflash_trainer.core.dflash2 import (
 )
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.formats.safetensors_check import check_finite
 from dflash_trainer.train.batching import Position
 from dflash_trainer.train.checkpoint import CheckpointData, CheckpointState
 from dflash_trainer.train.distributed import World
@@ -151,19 +152,6 @@ def capture_state(
 _RESTORED = ("scheduler", "bad_steps", "skipped_total", "truncated_total", "tokens_seen")
 
 
-def _check_finite(state: dict[str, torch.Tensor], location: str) -> None:
-    # NaN weights in a checkpoint (an edit with its checksums removed, a run that saved after
-    # a blow-up) would make every later step non-finite, and that error blames the data.
-    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise DFlashError(
-            f"{location}: the drafter weights {', '.join(bad[:3])}"
-            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''} hold NaN or infinite "
-            "values; restore the checkpoint from a copy, or move it away to resume from an "
-            "older one"
-        )
-
-
 def restore_state(tr: Trainer, data: CheckpointData) -> None:
     """Put a loaded checkpoint back into `tr` (the inverse of capture_state)."""
     ts = data.trainer_state
@@ -190,7 +178,9 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
         raise DFlashError(
             f"{data.location}: {e}; resume with the drafter.selector_codebooks that wrote it"
         ) from e
-    _check_finite(drafter_state, data.location)
+    # NaN weights in a checkpoint (an edit with its checksums removed, a run that saved after
+    # a blow-up) would make every later step non-finite, and that error blames the data.
+    check_finite(drafter_state, data.location)
     if _fsdp_drafter(tr):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
