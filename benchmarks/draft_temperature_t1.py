@@ -25,16 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from heldout_tau import doc_batches
 
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.config import load_config
 from dflash_trainer.core.anchors import block_position_ids
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.data.shards import PreparedDataset
-from dflash_trainer.eval.loading import read_drafter
-from dflash_trainer.target.model import FrozenTarget, load_target_model
+from dflash_trainer.eval.loading import load_eval_models
+from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.step import build_masks, prepare_blocks, run_target, settings_for_spec
 
 
@@ -47,7 +51,7 @@ def expected_tau(
 
 
 def block_overlaps(
-    drafter: DFlashDrafter, target: FrozenTarget, docs: list, cfg, st, gen, temps: list[float]
+    drafter: DFlashDrafter, target: FrozenTarget, docs: list, st, gen, temps: list[float]
 ) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
     """(greedy-draft expected tau, {T: sampled-draft expected tau}) of one micro-batch's blocks."""
     tout = run_target(target, docs, st)
@@ -94,28 +98,18 @@ def main() -> None:
             "training.max_anchors=128",
         ],
     )
-    spec, state, _ = read_drafter(args.drafter)
-    drafter = DFlashDrafter(spec)
-    drafter.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    drafter.eval()
-    target = FrozenTarget(load_target_model(cfg.target), spec.target_layer_ids)
+    models = load_eval_models(args.drafter, dtype="float32", device="cpu")
+    drafter, target = models.drafter, models.target
+    spec = drafter.spec
     data = PreparedDataset(args.data, args.split)
     st = settings_for_spec(cfg, spec, fixed_shapes=False)
     gen = torch.Generator().manual_seed(args.seed)
     greedy: list[torch.Tensor] = []
     sampled: dict[float, list[torch.Tensor]] = {t: [] for t in temps}
-    i, n = 0, min(args.docs, len(data))
-    while i < n:
-        docs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        tokens = 0
-        while i < n and (not docs or tokens + len(data[i].input_ids) <= cfg.data.token_budget):
-            d = data[i]
-            ids = torch.from_numpy(d.input_ids.astype("int64"))
-            docs.append((ids, torch.from_numpy(d.loss_mask.astype("bool"))))
-            tokens += len(ids)
-            i += 1
+    n = min(args.docs, len(data))
+    for i, docs in doc_batches(data, args.docs, cfg.data.token_budget):
         with torch.no_grad():
-            g, s = block_overlaps(drafter, target, docs, cfg, st, gen, temps)
+            g, s = block_overlaps(drafter, target, docs, st, gen, temps)
         greedy.append(g)
         for t in temps:
             sampled[t].append(s[t])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -32,28 +33,35 @@ from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train.step import drafter_loss, prepare_blocks, run_target, settings_for_spec
 
 
+def doc_batches(
+    data: PreparedDataset, n_docs: int, budget: int
+) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """(documents read so far, a micro-batch of (input ids, loss mask)) over the first
+    `n_docs` documents in order, each batch within `budget` tokens; a document longer than
+    the budget is a batch of its own."""
+    i, n = 0, min(n_docs, len(data))
+    while i < n:
+        docs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tokens = 0
+        while i < n and (not docs or tokens + len(data[i].input_ids) <= budget):
+            d = data[i]
+            ids = torch.from_numpy(d.input_ids.astype("int64"))
+            docs.append((ids, torch.from_numpy(d.loss_mask.astype("bool"))))
+            tokens += len(ids)
+            i += 1
+        yield i, docs
+
+
 def split_metrics(
     data: PreparedDataset, n_docs: int, target: FrozenTarget, drafter: torch.nn.Module, cfg, seed
 ) -> dict[str, float]:
     spec = drafter.spec
     st = settings_for_spec(cfg, spec, fixed_shapes=False)
     gen = torch.Generator().manual_seed(seed)
-    budget = cfg.data.token_budget
     anchors = tau_sum = 0.0
     slot1_hits = slot1_n = 0.0
-    i, n = 0, min(n_docs, len(data))
-    while i < n:
-        docs, tokens = [], 0
-        while i < n and tokens + len(data[i].input_ids) <= budget:
-            d = data[i]
-            docs.append(
-                (
-                    torch.from_numpy(d.input_ids.astype("int64")),
-                    torch.from_numpy(d.loss_mask.astype("bool")),
-                )
-            )
-            tokens += len(d.input_ids)
-            i += 1
+    n = min(n_docs, len(data))
+    for i, docs in doc_batches(data, n_docs, cfg.data.token_budget):
         with torch.no_grad():
             tout = run_target(target, docs, st)
             blocks = prepare_blocks(tout, target, st, gen, torch.device("cpu"))
