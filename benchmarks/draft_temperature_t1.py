@@ -37,6 +37,7 @@ from dflash_trainer.config import load_config
 from dflash_trainer.core.anchors import block_position_ids
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.data.shards import PreparedDataset
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.loading import load_eval_models
 from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.step import build_masks, prepare_blocks, run_target, settings_for_spec
@@ -98,10 +99,10 @@ def main() -> None:
             "training.max_anchors=128",
         ],
     )
+    data = PreparedDataset(args.data, args.split)  # before the models: a bad path fails fast
     models = load_eval_models(args.drafter, dtype="float32", device="cpu")
     drafter, target = models.drafter, models.target
     spec = drafter.spec
-    data = PreparedDataset(args.data, args.split)
     st = settings_for_spec(cfg, spec, fixed_shapes=False)
     gen = torch.Generator().manual_seed(args.seed)
     greedy: list[torch.Tensor] = []
@@ -140,4 +141,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DFlashError as e:  # a missing drafter or data directory: the message, no trace
+        raise SystemExit(f"draft_temperature_t1.py: error: {e}") from None
