@@ -81,6 +81,23 @@ def _block_drafter(
     return drafter, None
 
 
+def _answer_all(
+    run: PromptRun,
+    prompts: Sequence[Messages],
+    prompt_ids: Sequence[str] | None,
+    progress: str | None,
+) -> None:
+    """Every conversation through `run`, in order, under a progress bar with the pooled tau."""
+    from tqdm import tqdm
+
+    bar = tqdm(prompts, desc=progress, disable=progress is None, unit="prompt", dynamic_ncols=True)
+    for i, conversation in enumerate(bar):
+        run.conversation(conversation, prompt_ids[i] if prompt_ids is not None else str(i))
+        steps = [a for g in run.spec_gens for a in g.accepted]
+        if steps:
+            bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
+
+
 def evaluate_prompts(
     drafter: nn.Module | BlockDrafter,
     target: FrozenTarget,
@@ -120,8 +137,6 @@ def evaluate_prompts(
     (walk.candidate_walk), under "candidates". `compile_drafter` compiles the drafter step of
     the static modes (a DFlashError with "eager"); "compiled_drafter" says whether it ran so.
     """
-    from tqdm import tqdm
-
     scale = eval_cfg.draft_temperature_scale
     block, module = _block_drafter(drafter, target, block_size, draft_sampling, scale)
     engines = DecodeEngines(
@@ -140,14 +155,7 @@ def evaluate_prompts(
     with _eval_mode(module):
         if warmup and prompts:
             run.warm_up(prompts[0])
-        bar = tqdm(
-            prompts, desc=progress, disable=progress is None, unit="prompt", dynamic_ncols=True
-        )
-        for i, conversation in enumerate(bar):
-            run.conversation(conversation, prompt_ids[i] if prompt_ids is not None else str(i))
-            steps = [a for g in run.spec_gens for a in g.accepted]
-            if steps:
-                bar.set_postfix(pooled_tau=f"{sum(a + 1 for a in steps) / len(steps):.2f}")
+        _answer_all(run, prompts, prompt_ids, progress)
     out = {
         "decode": engines.mode,
         "compiled_drafter": engines.compile_drafter,
