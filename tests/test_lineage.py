@@ -244,6 +244,15 @@ def test_init_rerun_with_the_same_arguments_is_a_no_op_and_other_ones_are_refuse
     argv = ["lineage", "init", str(d), "--prompts", str(prompts), "--steps", "7"]
     assert main([*argv, "--note", "from the training log"]) == 0
     files = {p.name: p.read_bytes() for p in d.glob("lineage*")}
+    import hashlib
+    import json
+
+    recorded = json.loads(files["lineage.json"])["continuations"][0]["data"]["prompt_files"]
+    # The files by name and content, never the scratch path they lay at.
+    assert recorded == [
+        {"name": "p.jsonl", "sha256": hashlib.sha256(prompts.read_bytes()).hexdigest()}
+    ]
+    assert str(tmp_path) not in files["lineage.json"].decode()
     capsys.readouterr()
     assert main([*argv, "--note", "from the training log"]) == 0  # a script run twice
     out, err = capsys.readouterr()

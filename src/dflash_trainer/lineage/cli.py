@@ -19,6 +19,7 @@ from typing import Any
 from dflash_trainer import cli_numbers as num
 from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.cli_paths import text
+from dflash_trainer.data.shards import sha256_file
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.input_files import read_small_text
 from dflash_trainer.lineage.record import (
@@ -243,7 +244,11 @@ def _init_record(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], lis
         else (sum(map(count, counted)) if counted else None),
         "supervised_tokens": args.supervised_tokens,
         "sources": dict(sorted(sources.items())),
-        "prompt_files": [str(f) for f in args.prompts],
+        # Name and content hash, never the path: where the files lay on the training machine
+        # (often a scratch directory) says nothing a reader of the card can use.
+        "prompt_files": [
+            {"name": Path(f).name, "sha256": sha256_file(Path(f))} for f in args.prompts
+        ],
         "note": args.note,
     }
     continuation = {
