@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative_gpu import dflash2_on_cuda, seeded_runs
+from test_speculative import random_dflash
+from test_speculative_gpu import cuda_target, dflash2_on_cuda, seeded_runs
 from torch._dynamo.utils import counters
 
 from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
@@ -17,9 +18,18 @@ from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetR
 pytestmark = pytest.mark.gpu
 
 
+def dflash_on_cuda():
+    """A tiny fp32 llama target and a DFlash drafter of block 5 for it, both on the GPU."""
+    target = cuda_target("llama", torch.float32)
+    return target, random_dflash(target, 5).model
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_graphs_of_the_compiled_dflash2_step_draft_what_plain_graphs_draft(temperature):
-    target, model = dflash2_on_cuda()
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_graphs_of_the_compiled_step_draft_what_plain_graphs_draft(kind, temperature):
+    """DFlash samples its drafts from its own distribution over the whole vocabulary at t > 0
+    (a cumulative sum and a search per slot), DFlash2 walks its candidates: both compiled."""
+    target, model = dflash_on_cuda() if kind == "dflash" else dflash2_on_cuda()
     runs = {}
     for compiled in (False, True):
         runner = StaticTargetRunner(target, 128, [(1, False), (5, True)], graphs=True)
