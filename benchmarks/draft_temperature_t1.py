@@ -12,7 +12,8 @@ overlap. This measures it without generating: the drafter's blocks at sampled an
 held-out documents (the trainer's step code, fp32, dense masks), the target's distribution
 p at T = 1 at each slot's position, and the expected tau 1 + sum_k prod_{j <= k} alpha_j per
 block (alpha_j the slot's overlap), averaged over blocks. Greedy drafts (q one-hot on the
-argmax) are reported beside it. The context is teacher-forced along the document's tokens
+argmax) are reported beside it, and so is t=0 (a slot accepted when the drafter's argmax is
+the target's), so that one run also says what a change costs greedy decoding. The context is teacher-forced along the document's tokens
 (the target's greedy answers for regenerated data), not along sampled text: the absolute
 values sit above served t=1 tau, and the ranking of draft temperatures can differ from the
 served one (for the published SmolLM2 drafter it did: 0.65 T ahead here, not when served,
@@ -53,8 +54,11 @@ def expected_tau(
 
 def block_overlaps(
     drafter: DFlashDrafter, target: FrozenTarget, docs: list, st, gen, temps: list[float]
-) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
-    """(greedy-draft expected tau, {T: sampled-draft expected tau}) of one micro-batch's blocks."""
+) -> tuple[torch.Tensor, dict[float, torch.Tensor], torch.Tensor]:
+    """(greedy-draft expected tau at t=1, {T: sampled-draft expected tau at t=1}, tau at t=0)
+    of one micro-batch's blocks. At t=0 a slot is accepted when the drafter's argmax is the
+    target's (along the document's tokens: the target's own greedy answers for regenerated
+    data, so this is the served t=0 walk without its bf16 rounding)."""
     tout = run_target(target, docs, st)
     blocks = prepare_blocks(tout, target, st, gen, torch.device("cpu"))
     an = blocks.anchors
@@ -75,7 +79,8 @@ def block_overlaps(
         t: expected_tau(torch.minimum(p, torch.softmax(z / t, -1)).sum(-1), valid, an.real_N)
         for t in temps
     }
-    return greedy, sampled
+    same = (z.argmax(-1) == p.argmax(-1)).float()
+    return greedy, sampled, expected_tau(same, valid, an.real_N)
 
 
 def main() -> None:
@@ -106,12 +111,14 @@ def main() -> None:
     st = settings_for_spec(cfg, spec, fixed_shapes=False)
     gen = torch.Generator().manual_seed(args.seed)
     greedy: list[torch.Tensor] = []
+    t0: list[torch.Tensor] = []
     sampled: dict[float, list[torch.Tensor]] = {t: [] for t in temps}
     n = min(args.docs, len(data))
     for i, docs in doc_batches(data, args.docs, cfg.data.token_budget):
         with torch.no_grad():
-            g, s = block_overlaps(drafter, target, docs, st, gen, temps)
+            g, s, z = block_overlaps(drafter, target, docs, st, gen, temps)
         greedy.append(g)
+        t0.append(z)
         for t in temps:
             sampled[t].append(s[t])
         print(f"{i}/{n} documents", file=sys.stderr, flush=True)
@@ -127,6 +134,7 @@ def main() -> None:
         "docs": n,
         "blocks": int(blocks.numel()),
         "block_size": spec.block_size,
+        "expected_tau_t0": stats(torch.cat(t0)),
         "expected_tau_t1": {
             "greedy_drafts": stats(blocks),
             **{f"sampled_T{t:g}": stats(x) for t, x in by_t.items()},
