@@ -13,10 +13,11 @@ held-out documents (the trainer's step code, fp32, dense masks), the target's di
 p at T = 1 at each slot's position, and the expected tau 1 + sum_k prod_{j <= k} alpha_j per
 block (alpha_j the slot's overlap), averaged over blocks. Greedy drafts (q one-hot on the
 argmax) are reported beside it, and so is t=0 (a slot accepted when the drafter's argmax is
-the target's), so that one run also says what a change costs greedy decoding. The context is teacher-forced along the document's tokens
-(the target's greedy answers for regenerated data), not along sampled text: the absolute
-values sit above served t=1 tau, and the ranking of draft temperatures can differ from the
-served one (for the published SmolLM2 drafter it did: 0.65 T ahead here, not when served,
+the target's), so that one run also says what a change costs greedy decoding. The context is
+teacher-forced along the document's tokens (the target's greedy answers for regenerated
+data), not along sampled text: the absolute values sit above served t=1 tau, and the
+ranking of draft temperatures can differ from the served one (for the published SmolLM2
+drafter it did: 0.65 T ahead here, not when served,
 benchmarks/draft_temperature_t1_smollm2_cpu_202612.md). A screen, not a verdict.
 Prints one JSON object.
 """

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def dflash_on_cuda():
     """A tiny fp32 llama target and a DFlash drafter of block 5 for it, both on the GPU."""
     target = cuda_target("llama", torch.float32)
-    return target, random_dflash(target, 5).model
+    return target, random_dflash(target, 5).model.to("cuda")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
