@@ -117,9 +117,9 @@ def main() -> None:
     n = min(args.docs, len(data))
     for i, docs in doc_batches(data, args.docs, cfg.data.token_budget):
         with torch.no_grad():
-            g, s, z = block_overlaps(drafter, target, docs, st, gen, temps)
+            g, s, g0 = block_overlaps(drafter, target, docs, st, gen, temps)
         greedy.append(g)
-        t0.append(z)
+        t0.append(g0)
         for t in temps:
             sampled[t].append(s[t])
         print(f"{i}/{n} documents", file=sys.stderr, flush=True)

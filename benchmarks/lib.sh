@@ -17,6 +17,17 @@ fi
 export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 DFLASH="$PY -m dflash_trainer.cli"
+# The SmolLM2 comparisons' shared inputs: the target's answers to 10,752 ShareGPT prompts
+# (kept in benchmarks/results) and the published drafter they continue from.
+SHAREGPT_REGEN="$REPO/benchmarks/results/smollm2-135m_sweep_h200_202612/regenerated_sharegpt_smollm2.jsonl.gz"
+PUBLISHED_DRAFTER="$REPO/drafters/smollm2-135m-dflash-b16"
+
+# prepare_sharegpt REGEN DIR LOG: REGEN tokenized for SmolLM2 into DIR (loop tails masked, 1%
+# held out), unless DIR is already there.
+prepare_sharegpt() {
+  [ -d "$2" ] || $DFLASH data prepare --input "$1" --tokenizer asset:smollm2-135m-instruct \
+    --out "$2" --eval-fraction 0.01 --loop-tails mask > "$3" 2>&1
+}
 
 # Print the hardware and library versions a result document needs.
 report_env() {

@@ -20,12 +20,11 @@
 # Result document: benchmarks/selector_lr_scale_smollm2_cpu_202612.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/selector_lr_scale}"
-REGEN="${REGEN:-$REPO/benchmarks/results/smollm2-135m_sweep_h200_202612/regenerated_sharegpt_smollm2.jsonl.gz}"
-INIT="${INIT:-$REPO/drafters/smollm2-135m-dflash-b16}"
+REGEN="${REGEN:-$SHAREGPT_REGEN}"
+INIT="${INIT:-$PUBLISHED_DRAFTER}"
 mkdir -p "$OUT"
 report_env | tee "$OUT/env.txt"
-[ -d "$OUT/prep" ] || $DFLASH data prepare --input "$REGEN" --tokenizer asset:smollm2-135m-instruct \
-  --out "$OUT/prep" --eval-fraction 0.01 --loop-tails mask > "$OUT/prepare.log" 2>&1
+prepare_sharegpt "$REGEN" "$OUT/prep" "$OUT/prepare.log"
 pids=()
 names=()
 for run in ${RUNS:-tables:1 tables:30}; do

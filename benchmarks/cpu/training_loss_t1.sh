@@ -19,21 +19,25 @@
 #   DOCS (60 of the 119 held-out documents), OUT (benchmarks/out/training_loss_t1). The runs train at
 #   once, one thread each.
 # Outputs: $OUT/<loss>/ the runs and their logs, $OUT/<name>_heldout.json per drafter,
-#   $OUT/summary.json (each drafter's expected tau at t=0 and t=1 and its difference from the
-#   starting drafter's, paired over the same blocks).
+#   $OUT/summary.json (each drafter's expected tau at t=0 and t=1, and its ratio to the
+#   starting drafter's on the same blocks).
 # Runtime on 2 cores: about 25 minutes of training (three runs at once, 35 s a step) and 5
 # minutes per held-out measurement.
 # Result document: benchmarks/training_loss_t1_smollm2_cpu_<date>.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/training_loss_t1}"
-REGEN="${REGEN:-$REPO/benchmarks/results/smollm2-135m_sweep_h200_202612/regenerated_sharegpt_smollm2.jsonl.gz}"
-INIT="${INIT:-$REPO/drafters/smollm2-135m-dflash-b16}"
+REGEN="${REGEN:-$SHAREGPT_REGEN}"
+INIT="${INIT:-$PUBLISHED_DRAFTER}"
+LOSSES="${LOSSES:-ce kl lk}"
+for loss in $LOSSES; do  # each names a run directory under OUT, too
+  case $loss in ce | kl | lk) ;; *) echo "LOSSES: $loss is not ce, kl or lk" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT"
 report_env | tee "$OUT/env.txt"
-[ -d "$OUT/prep" ] || $DFLASH data prepare --input "$REGEN" --tokenizer asset:smollm2-135m-instruct \
-  --out "$OUT/prep" --eval-fraction 0.01 --loop-tails mask > "$OUT/prepare.log" 2>&1
+prepare_sharegpt "$REGEN" "$OUT/prep" "$OUT/prepare.log" \
+  || { echo "preparing $REGEN failed: see $OUT/prepare.log" >&2; exit 1; }
 pids=()
-for loss in ${LOSSES:-ce kl lk}; do
+for loss in $LOSSES; do
   OMP_NUM_THREADS=1 $DFLASH train --recipe smollm2-135m "data.train=$OUT/prep" \
     "run.output_dir=$OUT/$loss" --overwrite "drafter.init_from=$INIT" drafter.kind=dflash \
     drafter.block_size=16 training.gamma=7.0 "training.loss=$loss" training.weighting=decay \
@@ -43,14 +47,17 @@ for loss in ${LOSSES:-ce kl lk}; do
     training.device=cpu data.max_doc_tokens=1024 target.dtype=float32 > "$OUT/$loss.log" 2>&1 &
   pids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p"; done
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+[ $failed = 0 ] || { echo "a training run failed: see the logs $OUT/<loss>.log" >&2; exit 1; }
 heldout() {  # name, drafter: expected acceptance on the held-out documents (same blocks for all)
   "$PY" benchmarks/draft_temperature_t1.py --drafter "$2" --data "$OUT/prep" \
-    --docs "${DOCS:-60}" --temperatures 1 > "$OUT/$1_heldout.json" 2> "$OUT/$1_heldout.log"
+    --docs "${DOCS:-60}" --temperatures 1 > "$OUT/$1_heldout.json" 2> "$OUT/$1_heldout.log" \
+    || { echo "measuring $1 failed: see $OUT/$1_heldout.log" >&2; exit 1; }
 }
 heldout start "$INIT"
-for loss in ${LOSSES:-ce kl lk}; do heldout "$loss" "$OUT/$loss"; done
-"$PY" - "$OUT" start ${LOSSES:-ce kl lk} << 'PYEOF'
+for loss in $LOSSES; do heldout "$loss" "$OUT/$loss"; done
+"$PY" - "$OUT" start $LOSSES << 'PYEOF'
 import json
 import sys
 from pathlib import Path

@@ -62,7 +62,7 @@ source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/headline_job}"
 RET="${RET:-$OUT/ret}"
 DEVICE="${DEVICE:-cuda}"
-INIT="${INIT:-$REPO/drafters/smollm2-135m-dflash-b16}"
+INIT="${INIT:-$PUBLISHED_DRAFTER}"
 MODEL=asset:smollm2-135m-instruct
 mkdir -p "$OUT" "$RET"
 source "$REPO/benchmarks/stages.sh"

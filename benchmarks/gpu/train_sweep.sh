@@ -40,7 +40,7 @@ report_env | tee "$OUT/env.txt"
 
 PREP="${PREP:-}"
 if [ -z "$PREP" ]; then
-  REGEN="${REGEN:-$REPO/benchmarks/results/smollm2-135m_sweep_h200_202612/regenerated_sharegpt_smollm2.jsonl.gz}"
+  REGEN="${REGEN:-$SHAREGPT_REGEN}"
   PREP="$OUT/prep"
   if [ ! -e "$PREP/manifest.json" ]; then
     case "$REGEN" in
