@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lineage_chain import Chain, build_chain
@@ -42,6 +44,22 @@ def make_spec(
         max_position_embeddings=4096,
         **extra,  # type: ignore[arg-type]
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache_dir(tmp_path_factory):
+    """The tests' own GGUF cache (dflash_trainer.gguf_cache), shared by every test of the session
+    and the commands they start: tests never write the user's cache, and never read one that a
+    different version of the code wrote."""
+    from dflash_trainer import gguf_cache
+
+    before = os.environ.get(gguf_cache.ENV)
+    os.environ[gguf_cache.ENV] = str(tmp_path_factory.mktemp("gguf-cache"))
+    yield
+    if before is None:
+        os.environ.pop(gguf_cache.ENV, None)
+    else:
+        os.environ[gguf_cache.ENV] = before
 
 
 @pytest.fixture

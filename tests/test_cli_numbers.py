@@ -45,7 +45,9 @@ def test_no_numeric_flag_escapes_the_check():
     assert len(NUMERIC) >= 40  # plan, doctor, eval, train, data prepare/regenerate/...
 
 
-@pytest.mark.parametrize(("prefix", "flag", "kind"), NUMERIC, ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("prefix", "flag", "kind"), NUMERIC, ids=lambda v: getattr(v, "__name__", str(v))
+)
 def test_hostile_numbers_are_refused_naming_the_flag(prefix, flag, kind, capsys):
     for bad in ("nan", "inf", "-inf", "1e400", "-1", "abc", "", "99999999999999999999999"):
         try:

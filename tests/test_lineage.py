@@ -332,6 +332,27 @@ def test_damaged_lineage_files_are_user_errors(chain: Chain, tmp_path: Path, dam
     assert main(["lineage", "verify", str(copy)]) == 2
 
 
+@pytest.mark.parametrize("name", ["lineage.json", "lineage_prompts.jsonl.gz"])
+def test_lineage_files_that_link_out_of_the_drafter_are_refused(
+    chain: Chain, tmp_path: Path, name: str
+) -> None:
+    import shutil
+
+    copy, elsewhere = tmp_path / "copy", tmp_path / "elsewhere"
+    shutil.copytree(chain.runs[1] / "drafter", copy)
+    elsewhere.mkdir()
+    (copy / name).rename(elsewhere / name)  # the very same bytes, outside the drafter
+    (copy / name).symlink_to(elsewhere / name)
+    with pytest.raises(DFlashError, match="leads outside"):
+        read_prompts(copy)
+    assert main(["lineage", "verify", str(copy)]) == 2
+    (copy / name).unlink()
+    (copy / name).symlink_to(Path("sub") / name)  # a link that stays inside is read
+    (copy / "sub").mkdir()
+    (elsewhere / name).rename(copy / "sub" / name)
+    assert main(["lineage", "verify", str(copy)]) == 0
+
+
 def test_an_export_exported_again_keeps_its_recipe_from_the_lineage(
     chain: Chain, tmp_path: Path
 ) -> None:

@@ -25,6 +25,7 @@ written to <pytest basetemp>/run_dir_fuzz_counts.json.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import fnmatch
 import hashlib
@@ -47,6 +48,7 @@ from lineage_chain import base_config, conversation, write_target
 from test_data_support import write_jsonl
 
 from dflash_trainer.cli import main
+from dflash_trainer.errors import DFlashError
 
 CASES = int(os.environ.get("DFLASH_RUN_FUZZ_CASES", "6"))
 """Sampled cases beyond the regressions (REGRESSIONS)."""
@@ -104,8 +106,22 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def warm_default_target() -> None:
+    """A config that names no target gets the default (the SmolLM2 GGUF asset): its config and
+    tokenizer are unpacked into the cache once here, a one-time cost of about 20 s of CPU that
+    the per-command limit below would otherwise take for a hang."""
+    from dflash_trainer.config import TargetConfig
+    from dflash_trainer.data.loading import load_tokenizer, tokenizer_spec
+    from dflash_trainer.target.configs import load_target_config
+
+    with contextlib.suppress(DFlashError, FileNotFoundError):  # not installed: commands say so
+        load_target_config(TargetConfig())
+        load_tokenizer(tokenizer_spec(TargetConfig()))
+
+
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory, one_torch_thread) -> Pristine:
+    warm_default_target()
     root = tmp_path_factory.mktemp("pristine")
     target = write_target(root / "target")
     src = write_jsonl(root / "a.jsonl", [conversation(i) for i in range(12)])

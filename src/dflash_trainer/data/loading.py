@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import gguf_cache
 from dflash_trainer.assets import AssetNotFound, asset_path
 from dflash_trainer.data.jsonio import HFDataset, require_datasets
 from dflash_trainer.errors import DFlashError, about
@@ -89,6 +90,8 @@ def load_tokenizer(spec: Any, trust_remote_code: bool = False) -> Any:
         kwargs["gguf_file"] = gguf
     try:
         with about(f"the tokenizer {str(spec)!r}"):
+            if gguf is not None and gguf_cache.is_local(where, gguf):
+                return gguf_cache.tokenizer(where, gguf)
             return AutoTokenizer.from_pretrained(where, **kwargs)
     except OSError as e:
         raise DFlashError(
@@ -126,7 +129,10 @@ def load_causal_lm(
     check_model_weights(where)
     try:
         with about(f"the model {str(spec)!r}"):
-            model: Any = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+            if gguf is not None and gguf_cache.is_local(where, gguf):
+                model: Any = gguf_cache.causal_lm(where, gguf, torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except OSError as e:
         raise DFlashError(f"cannot load a causal LM from {spec!r}: {e}") from e
     return model.to(device).eval()

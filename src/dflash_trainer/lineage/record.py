@@ -41,7 +41,7 @@ import torch
 
 from dflash_trainer.atomic_dir import write_file_atomic
 from dflash_trainer.errors import DFlashError
-from dflash_trainer.input_files import open_input
+from dflash_trainer.input_files import inside, open_input
 from dflash_trainer.json_input import parse_json, read_json
 from dflash_trainer.lineage.turns import RecordedTurns, TurnsValue, value_problem
 
@@ -104,7 +104,7 @@ def read_lineage(path: str | Path) -> Lineage | None:
     d = lineage_dir(path)
     if d is None:
         return None
-    where = d / LINEAGE_FILE
+    where = inside(d, LINEAGE_FILE, "lineage")  # a link out of the drafter is not its record
     data = read_json(where, "lineage")
     if data.get("format") != FORMAT or not isinstance(data.get("continuations"), list):
         raise DFlashError(f"{where}: not a dflash lineage (format {FORMAT!r} with continuations)")
@@ -187,7 +187,8 @@ def read_prompts(path: str | Path) -> list[PromptTurns]:
         return []
     d = lineage_dir(path)
     assert d is not None
-    lines = _prompt_lines(d / PROMPTS_FILE) if os.path.lexists(d / PROMPTS_FILE) else {}
+    has = os.path.lexists(d / PROMPTS_FILE)
+    lines = _prompt_lines(inside(d, PROMPTS_FILE, "lineage prompts")) if has else {}
     out = []
     for c in lineage["continuations"]:
         rec = (c.get("data") or {}).get("prompt_ids")

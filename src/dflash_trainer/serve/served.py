@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.data.openai_client import OpenAIClient
+from dflash_trainer.gguf_cache import strip_gguf_marks
 from dflash_trainer.serve.metrics import SpecCounters, read_spec_counters
 
 
@@ -97,13 +98,8 @@ def compare_set(
 
 def plain_target_dir(model: Any, tokenizer: Any, out: Path) -> Path:
     """The target as a plain HF directory vLLM can load. A GGUF target was dequantised at
-    load, but transformers still marks it quantized and refuses to save it: the marks go
-    first (the weights in memory are plain tensors)."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
+    load (`strip_gguf_marks`: the weights in memory are plain tensors)."""
+    strip_gguf_marks(model).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

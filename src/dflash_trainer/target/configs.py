@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash_trainer import gguf_cache
 from dflash_trainer.assets import resolve_source
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError, about
@@ -177,7 +178,10 @@ def load_target_config(tcfg: TargetConfig) -> Any:
                 kw["revision"] = tcfg.revision
             check_model_files(name, "target.name_or_path")
             with about(f"the config of target.name_or_path={tcfg.name_or_path!r}"):
-                cfg = AutoConfig.from_pretrained(name, **kw)
+                if gguf and gguf_cache.is_local(name, gguf):
+                    cfg = gguf_cache.config(name, gguf)
+                else:
+                    cfg = AutoConfig.from_pretrained(name, **kw)
         except (OSError, ValueError) as e:
             raise DFlashError(
                 f"target.name_or_path={tcfg.name_or_path!r}: cannot read its config ({e}). "

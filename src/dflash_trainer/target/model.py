@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash_trainer import gguf_cache
 from dflash_trainer.config import TargetConfig
 from dflash_trainer.errors import DFlashError, about
 from dflash_trainer.formats.safetensors_check import check_model_weights
@@ -85,7 +86,6 @@ def load_target_model(
         allow_remote_code,
         check_shape_overrides,
         load_target_config,
-        target_source,
     )
 
     dtype = _DTYPES[tcfg.dtype]
@@ -99,25 +99,7 @@ def load_target_model(
         with torch.device(device):
             model: Any = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=trust)
     else:
-        name, gguf = target_source(tcfg)
-        kw: dict[str, Any] = {
-            "dtype": dtype,
-            "trust_remote_code": trust,
-            "attn_implementation": tcfg.attn_implementation,
-        }
-        if gguf:
-            kw["gguf_file"] = gguf
-        if tcfg.revision:
-            kw["revision"] = tcfg.revision
-        check_model_files(name, "target.name_or_path")
-        check_model_weights(name)
-        try:
-            with about(f"the model target.name_or_path={tcfg.name_or_path!r}"):
-                model = AutoModelForCausalLM.from_pretrained(name, **kw)
-        except (OSError, ValueError) as e:
-            raise DFlashError(
-                f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
-            ) from e
+        model = _pretrained(tcfg, dtype, trust)
         check_shape_overrides(model, cfg, tcfg.hf_config_overrides)
         for key in tcfg.hf_config_overrides:  # the values checked (and typed) above
             setattr(model.config, key, getattr(cfg, key))
@@ -138,6 +120,37 @@ def load_target_model(
         report = quantize_linears(model, decoder_layers(model))
         print(f"[dflash] {report.summary()}", file=sys.stderr, flush=True)
     return model
+
+
+def _pretrained(tcfg: TargetConfig, dtype: torch.dtype, trust: bool) -> Any:
+    """The target's trained weights (a local GGUF through the unpacked copy of gguf_cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_trainer.target.configs import target_source
+
+    name, gguf = target_source(tcfg)
+    kw: dict[str, Any] = {
+        "dtype": dtype,
+        "trust_remote_code": trust,
+        "attn_implementation": tcfg.attn_implementation,
+    }
+    if gguf:
+        kw["gguf_file"] = gguf
+    if tcfg.revision:
+        kw["revision"] = tcfg.revision
+    check_model_files(name, "target.name_or_path")
+    check_model_weights(name)
+    try:
+        with about(f"the model target.name_or_path={tcfg.name_or_path!r}"):
+            if gguf and gguf_cache.is_local(name, gguf):
+                return gguf_cache.causal_lm(
+                    name, gguf, dtype, attn_implementation=tcfg.attn_implementation
+                )
+            return AutoModelForCausalLM.from_pretrained(name, **kw)
+    except (OSError, ValueError) as e:
+        raise DFlashError(
+            f"target.name_or_path={tcfg.name_or_path!r}: cannot load the model ({e})"
+        ) from e
 
 
 def _check_fp8_devices(device: str | torch.device, max_memory: dict[int, int] | None) -> None:
