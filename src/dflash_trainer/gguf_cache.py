@@ -101,6 +101,8 @@ def cached(
             )
             shutil.rmtree(where, ignore_errors=True)
     obj = from_gguf()
+    print(f"[dflash] keeping the {part} read from {gguf} as plain files in {where} for later "
+          f"loads (once; {ENV}=off does not)", file=sys.stderr)  # fmt: skip
     try:
         with atomic_directory(where, log=_quiet) as tmp:
             save(obj, tmp)
