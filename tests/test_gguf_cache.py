@@ -160,6 +160,9 @@ def test_off_and_unwritable_caches_load_directly(cache, gguf, monkeypatch):
     monkeypatch.setenv(gguf_cache.ENV, str(blocker))  # a file where the directory would go
     assert load(gguf, built).hidden_size == 64
     assert blocker.read_text() == ""
+    # A cache path the system cannot even look at (here: a name over the length limit).
+    monkeypatch.setenv(gguf_cache.ENV, str(gguf.parent / ("x" * 300)))
+    assert load(gguf, built).hidden_size == 64
 
 
 def test_a_changed_file_gets_a_new_entry(cache, gguf):

@@ -87,10 +87,14 @@ def cached(
     save: Callable[[T, Path], object],
 ) -> T:
     """`part` of a GGUF: read from its cached plain files, else from the GGUF and then cached."""
-    where = part_dir(directory, gguf, part)
+    try:
+        where = part_dir(directory, gguf, part)
+        present = where is not None and where.is_dir()
+    except OSError:  # a cache directory this user may not read: as if there were none
+        where, present = None, False
     if where is None:
         return from_gguf()
-    if where.is_dir():
+    if present:
         try:
             return from_plain(where)
         except Exception as e:  # any failure of a cached copy: the GGUF itself can serve
@@ -101,13 +105,13 @@ def cached(
             )
             shutil.rmtree(where, ignore_errors=True)
     obj = from_gguf()
-    print(f"[dflash] keeping the {part} read from {gguf} as plain files in {where} for later "
-          f"loads (once; {ENV}=off does not)", file=sys.stderr)  # fmt: skip
     try:
         with atomic_directory(where, log=_quiet) as tmp:
             save(obj, tmp)
     except (OSError, DFlashError):  # read-only home, full disk, a concurrent writer won
-        pass
+        return obj
+    print(f"[dflash] kept the {part} read from {gguf} as plain files in {where}: later loads "
+          f"read those (set {ENV}=off to read the GGUF each time)", file=sys.stderr)  # fmt: skip
     return obj
 
 
