@@ -4,6 +4,7 @@ load returns."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -175,10 +176,17 @@ def test_a_changed_file_gets_a_new_entry(cache, gguf):
     assert built == [1, 1] and len(list((cache / "gguf").iterdir())) == 2
 
 
-def test_a_damaged_part_is_rebuilt_and_said(cache, gguf, capsys):
+@pytest.mark.parametrize("damage", ["cut", "fifo", "huge"])
+def test_a_damaged_part_is_rebuilt_and_said(cache, gguf, capsys, damage):
     load(gguf)
-    part = next((cache / "gguf").iterdir()) / "config"
-    (part / "config.json").write_text('{"model_type": ')
+    config = next((cache / "gguf").iterdir()) / "config" / "config.json"
+    if damage == "cut":
+        config.write_text('{"model_type": ')
+    elif damage == "fifo":  # read, it would block
+        config.unlink()
+        os.mkfifo(config)
+    else:  # loads, but no real model is this size: read, it would allocate for ever
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": 1 << 30}))
     built: list[int] = []
     assert load(gguf, built).hidden_size == 64
     assert built == [1]

@@ -13,9 +13,10 @@ Where: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash-trainer`, else `~/.cach
 size, modification time and a hash of its first and last MiB, so an edited or replaced GGUF gets a
 new entry instead of the old one's parts. Each part is written whole or not at all
 (`atomic_directory`): a load killed midway leaves no half part, and two processes building the
-same part both finish, one copy kept. A cache that cannot be written, or a part that no longer
-loads (damaged by hand), never stops a load: the GGUF is read directly, and a damaged part is
-rebuilt from it.
+same part both finish, one copy kept. A cached part is checked as any model directory a user
+names (`check_model_files`, and `check_model_weights` for the weights). A cache that cannot be
+written, or a part that fails those checks or no longer loads (damaged by hand), never stops a
+load: the GGUF is read directly, and a damaged part is rebuilt from it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, TypeVar
 
 from dflash_trainer.atomic_dir import atomic_directory
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.model_dir_check import check_model_files
 
 T = TypeVar("T")
 
@@ -96,6 +98,9 @@ def cached(
         return from_gguf()
     if present:
         try:
+            # Read as any model directory a user names is: no FIFO or device among its files,
+            # the counts and sizes of its config.json within a real model's.
+            check_model_files(where, f"the cached {part} of {gguf}")
             return from_plain(where)
         except Exception as e:  # any failure of a cached copy: the GGUF itself can serve
             print(
@@ -167,6 +172,8 @@ def causal_lm(directory: str, gguf: str, dtype: Any, **kwargs: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    from dflash_trainer.formats.safetensors_check import check_model_weights
+
     def from_gguf(as_dtype: Any) -> Any:
         # Dense weights always: with the optional `kernels` package transformers would keep
         # them packed in GGUF blocks, which the taps, the FP8 path and a save cannot use.
@@ -179,6 +186,10 @@ def causal_lm(directory: str, gguf: str, dtype: Any, **kwargs: Any) -> Any:
         )
         return strip_gguf_marks(m)
 
+    def plain_model(p: Path) -> Any:
+        check_model_weights(p)  # headers within the files, the config matching the weights
+        return AutoModelForCausalLM.from_pretrained(p, dtype=dtype, **kwargs)
+
     if (Path(directory) / gguf).stat().st_size > WEIGHTS_MAX_GGUF_BYTES:
         return from_gguf(dtype)
     model = cached(
@@ -186,7 +197,7 @@ def causal_lm(directory: str, gguf: str, dtype: Any, **kwargs: Any) -> Any:
         gguf,
         "model",
         lambda: from_gguf(torch.float32),
-        lambda p: named(AutoModelForCausalLM.from_pretrained(p, dtype=dtype, **kwargs), directory),
+        lambda p: named(plain_model(p), directory),
         lambda m, p: m.save_pretrained(p),
     )
     return model.to(dtype)
