@@ -258,6 +258,32 @@ class _Shard:
         # reduceat gives the element itself for empty segments; documents are never empty.
         return np.asarray(sums, dtype=np.int64)
 
+    def first_supervised(self, chunk: int = 1 << 22) -> np.ndarray:
+        """int64 [n]: each document's first supervised position after its first token, or its
+        length where it has none (no anchor of it has a supervised next token). The mask is
+        read `chunk` tokens at a time: memory stays bounded whatever the shard's size."""
+        if self._mask is None:
+            self._map()
+        assert self._mask is not None
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        first = np.asarray(ends - starts, dtype=np.int64)
+        found = np.zeros(len(starts), dtype=np.bool_)
+        for lo in range(0, int(self.offsets[-1]), chunk):
+            hi = min(lo + chunk, int(self.offsets[-1]))
+            pos = np.flatnonzero(self._mask[lo:hi]) + lo
+            if not len(pos):
+                continue
+            # The documents this chunk overlaps whose first supervised token is still unseen:
+            # none of theirs lies before `lo`, so the first one in the chunk is theirs.
+            docs = np.arange(np.searchsorted(ends, lo, "right"), np.searchsorted(starts, hi))
+            docs = docs[~found[docs]]
+            k = np.searchsorted(pos, starts[docs] + 1)
+            at = pos[np.minimum(k, len(pos) - 1)]
+            hit = (k < len(pos)) & (at < ends[docs])
+            first[docs[hit]] = at[hit] - starts[docs[hit]]
+            found[docs[hit]] = True
+        return first
+
 
 class PreparedDataset:
     """Documents of one split of a prepared directory, read on demand from memory maps."""
@@ -308,6 +334,13 @@ class PreparedDataset:
         if not self._shards:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([s.supervised_counts() for s in self._shards])
+
+    def first_supervised(self) -> np.ndarray:
+        """int64 [N]: per document, the first supervised position after position 0 (its
+        length where none): the batcher leaves out documents whose kept window has none."""
+        if not self._shards:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([s.first_supervised() for s in self._shards])
 
     def token_id_range(self) -> tuple[int, int]:
         """(smallest, largest) token id of the split, read from its shards; (0, -1) if empty."""

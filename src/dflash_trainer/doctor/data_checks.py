@@ -1,5 +1,6 @@
 """The doctor's checks of the training data: loss-mask coverage, document lengths against
-the length limit, and supervised positions per step against training.max_anchors.
+the length limit, documents the limit leaves without a supervised token, and supervised
+positions per step against training.max_anchors.
 
 The data is read once (`load_data_sample`): every document's length and the token ids
 of an even sample, which the mask-token check scans too.
@@ -31,6 +32,8 @@ class DataSample:
     docs: list[np.ndarray]
     doc_ids: list[str]
     source: str
+    first_supervised: np.ndarray | None = None
+    """Per document, the first supervised position after position 0 (its length if none)."""
 
 
 def load_data_sample(path: str | Path, max_tokens: int = MAX_SCAN_TOKENS) -> DataSample:
@@ -52,14 +55,15 @@ def load_data_sample(path: str | Path, max_tokens: int = MAX_SCAN_TOKENS) -> Dat
             d = ds[int(i)]
             docs.append(d.input_ids)
             ids.append(d.doc_id)
-        return DataSample(lengths, ds.supervised_counts(), docs, ids, f"{p} (prepared)")
+        sup, first = ds.supervised_counts(), ds.first_supervised()
+        return DataSample(lengths, sup, docs, ids, f"{p} (prepared)", first)
     if os.path.lexists(p):
         return _jsonl_sample(p, max_tokens)
     raise DFlashError(f"--data {p}: neither a prepared dataset (manifest.json) nor a JSONL file")
 
 
 def _jsonl_sample(p: Path, max_tokens: int) -> DataSample:
-    lengths, sup, docs, ids = [], [], [], []
+    lengths, sup, first, docs, ids = [], [], [], [], []
     scanned = 0
     with io.TextIOWrapper(open_input(p, "--data file"), encoding="utf-8") as f:
         for n, line in enumerate(f):
@@ -68,18 +72,22 @@ def _jsonl_sample(p: Path, max_tokens: int) -> DataSample:
             try:
                 rec = json.loads(line)
                 row = [int(x) for x in rec["input_ids"]]
+                mask = rec.get("loss_mask")
+                on = [i for i, x in enumerate(mask) if x] if mask is not None else range(len(row))
             except (KeyError, TypeError, ValueError, RecursionError, OverflowError) as e:
                 raise DFlashError(
                     f"{p}:{n + 1}: expected a JSON object with input_ids ({e})"
                 ) from e
             lengths.append(len(row))
-            mask = rec.get("loss_mask")
-            sup.append(int(sum(bool(x) for x in mask)) if mask is not None else len(row))
+            sup.append(len(on))
+            first.append(min([i for i in on if i] + [len(row)]))
             if scanned < max_tokens:
                 docs.append(np.asarray(row))
                 ids.append(str(rec.get("id", n)))
                 scanned += len(row)
-    return DataSample(np.asarray(lengths), np.asarray(sup), docs, ids, f"{p} (JSONL)")
+    return DataSample(
+        np.asarray(lengths), np.asarray(sup), docs, ids, f"{p} (JSONL)", np.asarray(first)
+    )
 
 
 def check_data(cfg: Config, sample: DataSample | None) -> list[Check]:
@@ -105,8 +113,11 @@ def check_data(cfg: Config, sample: DataSample | None) -> list[Check]:
     if sup is not None:
         out.append(_coverage(float(sup.sum()) / tokens, tokens))
     out.append(_length(lengths, cfg.data.doc_limit))
+    first = sample.first_supervised
+    if first is not None:
+        out.append(_windows(lengths, first, cfg.data.doc_limit))
     if sup is not None:
-        out.append(_anchors(cfg, lengths, sup))
+        out.append(_anchors(cfg, lengths, sup, first))
     return out
 
 
@@ -141,12 +152,42 @@ def _length(lengths: np.ndarray, limit: int) -> Check:
     return Check("data.length", "pass", f"all {len(lengths):,} documents fit {limit} tokens")
 
 
-def _anchors(cfg: Config, lengths: np.ndarray, sup: np.ndarray) -> Check:
+def _windows(lengths: np.ndarray, first: np.ndarray, limit: int) -> Check:
+    """Documents whose first `limit` tokens supervise nothing: training leaves them out."""
+    clipped = np.minimum(lengths, limit)
+    out = (first >= clipped) & (clipped >= 2)
+    n, tokens = int(out.sum()), int(clipped[out].sum())
+    if n and n == int((clipped >= 2).sum()):
+        return Check(
+            "data.windows",
+            "fail",
+            f"no document supervises anything within its first {limit:,} tokens: nothing "
+            "to train on",
+            "raise data.max_doc_tokens (within data.token_budget), or check the loss masks",
+        )
+    if n and n >= 0.01 * len(lengths):
+        return Check(
+            "data.windows",
+            "warn",
+            f"{n:,} of {len(lengths):,} documents ({tokens:,} tokens) supervise nothing within "
+            f"their first {limit:,} tokens: training leaves them out",
+            "raise data.max_doc_tokens (within data.token_budget) to train on their answers",
+        )
+    left = f" ({n:,} left out: no supervised token within {limit:,})" if n else ""
+    return Check("data.windows", "pass", f"documents supervise within the length limit{left}")
+
+
+def _anchors(
+    cfg: Config, lengths: np.ndarray, sup: np.ndarray, first: np.ndarray | None = None
+) -> Check:
     """Supervised positions per step, replayed with the trainer's own batching."""
     from dflash_trainer.train.batching import epoch_steps
 
     limit = cfg.data.doc_limit
-    steps = epoch_steps(lengths, cfg.data.token_budget, limit, cfg.data.shuffle_seed, 0)
+    d = cfg.data
+    steps = epoch_steps(lengths, d.token_budget, limit, d.shuffle_seed, 0, first)
+    if not steps:
+        return Check("data.anchors", "skip", "no step holds a trainable document", "see above")
     ratio = np.minimum(lengths, limit) / np.maximum(lengths, 1)
     per_step = np.array([float((sup[s] * ratio[s]).sum()) for s in steps])
     med = float(np.median(per_step))

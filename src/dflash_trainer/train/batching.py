@@ -4,8 +4,11 @@ An epoch is a seeded permutation of the documents, cut greedily into steps whose
 (truncated) token total fits `token_budget`. The order is a pure function of
 (seed, epoch), so a resumed run continues at exactly the same (epoch, step) with the
 same documents, and with several ranks step s of the epoch goes to rank s % world:
-ranks see disjoint documents. A document longer than `max_doc_tokens` is truncated,
-never dropped, and counted.
+ranks see disjoint documents. A document longer than `max_doc_tokens` is truncated and
+counted. A document whose kept tokens hold no supervised token after the first (a long user
+turn before the answer, cut at `max_doc_tokens`) has no anchor to train: it is left out of
+every epoch, where it would take target compute and budget (and, alone in a step, make the
+step teach nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from dflash_trainer.errors import DFlashError
 
 
 class DocumentSource(Protocol):
@@ -42,18 +47,23 @@ def epoch_steps(
     max_doc_tokens: int,
     seed: int,
     epoch: int,
+    first_supervised: np.ndarray | None = None,
 ) -> list[list[int]]:
-    """The documents of every step of one epoch (before splitting over ranks)."""
+    """The documents of every step of one epoch (before splitting over ranks).
+    `first_supervised[i]`: document i's first supervised position after position 0 (its
+    length if none); None treats every document as supervised."""
     n = len(lengths)
     order = np.random.default_rng([seed, epoch]).permutation(n)
     clipped = np.minimum(np.asarray(lengths, dtype=np.int64), max_doc_tokens)
+    if first_supervised is not None:  # nothing to learn inside the kept window: as if empty
+        clipped = np.where(np.asarray(first_supervised) < clipped, clipped, 0)
     steps: list[list[int]] = []
     cur: list[int] = []
     used = 0
     for i in order.tolist():
         t = int(clipped[i])
         if t < 2:
-            continue  # a 1-token document has nothing to predict
+            continue  # a 1-token document (or one unsupervised in its window) teaches nothing
         if cur and used + t > token_budget:
             steps.append(cur)
             cur, used = [], 0
@@ -62,6 +72,12 @@ def epoch_steps(
     if cur:
         steps.append(cur)
     return steps
+
+
+def first_supervised_of(source: object) -> np.ndarray | None:
+    """`source.first_supervised()` (a prepared dataset has it); None for a source without."""
+    fn = getattr(source, "first_supervised", None)
+    return None if fn is None else np.asarray(fn(), dtype=np.int64)
 
 
 class TokenBudgetBatcher:
@@ -73,10 +89,12 @@ class TokenBudgetBatcher:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        first_supervised: np.ndarray | None = None,
     ) -> None:
         if len(lengths) == 0:
             raise ValueError("the training set has no documents")
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.first_supervised = first_supervised
         self.token_budget = token_budget
         self.max_doc_tokens = max_doc_tokens
         self.seed = seed
@@ -88,7 +106,12 @@ class TokenBudgetBatcher:
         if epoch not in self._cache:
             self._cache = {
                 epoch: epoch_steps(
-                    self.lengths, self.token_budget, self.max_doc_tokens, self.seed, epoch
+                    self.lengths,
+                    self.token_budget,
+                    self.max_doc_tokens,
+                    self.seed,
+                    epoch,
+                    self.first_supervised,
                 )
             }
         return self._cache[epoch]
@@ -100,9 +123,11 @@ class TokenBudgetBatcher:
         """
         n = len(self._epoch(epoch)) // self.world_size
         if n == 0:
-            raise ValueError(
+            left_out = self.unsupervised_note()
+            raise DFlashError(
                 f"one epoch has {len(self._epoch(epoch))} steps, fewer than the "
                 f"{self.world_size} ranks; lower data.token_budget or use more data"
+                + (f" ({left_out})" if left_out else "")
             )
         return n
 
@@ -119,6 +144,27 @@ class TokenBudgetBatcher:
         if pos.step + 1 >= self.steps_in_epoch(pos.epoch):
             return Position(pos.epoch + 1, 0)
         return Position(pos.epoch, pos.step + 1)
+
+    def unsupervised(self) -> tuple[int, int]:
+        """(documents, tokens) left out of every epoch: no supervised token after the first
+        within their kept window (`max_doc_tokens`)."""
+        if self.first_supervised is None:
+            return 0, 0
+        clipped = np.minimum(self.lengths, self.max_doc_tokens)
+        out = (np.asarray(self.first_supervised) >= clipped) & (clipped >= 2)
+        return int(out.sum()), int(clipped[out].sum())
+
+    def unsupervised_note(self) -> str | None:
+        """What the run says about the documents `unsupervised` counts (None: there are none)."""
+        docs, tokens = self.unsupervised()
+        if not docs:
+            return None
+        return (
+            f"{docs:,} of {len(self.lengths):,} training documents ({tokens:,} tokens) supervise "
+            f"nothing within their first {self.max_doc_tokens:,} tokens (data.max_doc_tokens / "
+            "token_budget): left out of every epoch; raise data.max_doc_tokens to train on "
+            "their answers"
+        )
 
     def truncated(self, doc_ids: Sequence[int]) -> int:
         return int((self.lengths[list(doc_ids)] > self.max_doc_tokens).sum())

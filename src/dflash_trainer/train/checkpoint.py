@@ -177,7 +177,7 @@ def _read_files(d: Path, name: str, location: str) -> CheckpointData:
 
 _COUNTERS = (
     *("bad_steps", "skipped_total", "truncated_total", "tokens_seen"),
-    *("micro_steps", "world_size", "total_steps"),
+    *("micro_steps", "world_size", "total_steps", "left_out_docs"),
 )
 
 

@@ -20,7 +20,7 @@ from dflash_trainer.core.dflash2 import (
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.formats.safetensors_check import check_finite
-from dflash_trainer.train.batching import Position
+from dflash_trainer.train.batching import Position, TokenBudgetBatcher
 from dflash_trainer.train.checkpoint import CheckpointData, CheckpointState
 from dflash_trainer.train.distributed import World
 
@@ -51,6 +51,9 @@ class Trainer(Protocol):
     def anchor_gen(self) -> torch.Generator: ...
     @property
     def total_steps(self) -> int: ...
+    @property
+    def batcher(self) -> TokenBudgetBatcher: ...
+    def _warn(self, msg: str) -> None: ...
 
     step: int
     micro_steps: int
@@ -133,6 +136,7 @@ def capture_state(
         "tokens_seen": tr.tokens_seen,
         "world_size": tr.world.world_size,
         "total_steps": tr.total_steps,
+        "left_out_docs": tr.batcher.unsupervised()[0],
     }
     # The drafter file holds the published layout (tables) whatever the selector trains;
     # an embedding-mode selector's factors travel beside it for the resume.
@@ -210,3 +214,18 @@ def restore_state(tr: Trainer, data: CheckpointData) -> None:
     tr.skipped_total = ts["skipped_total"]
     tr.truncated_total = ts["truncated_total"]
     tr.tokens_seen = ts["tokens_seen"]
+    _say_plan_change(tr, ts.get("left_out_docs"), data.location)
+
+
+def _say_plan_change(tr: Trainer, saved: int | None, where: str) -> None:
+    """The same data cut into other steps: a checkpoint of a version that kept documents that
+    supervise nothing in the epoch (no count recorded), or one that left out another number."""
+    now = tr.batcher.unsupervised()[0]
+    if saved == now or (saved is None and not now):
+        return
+    before = "kept them in its epochs" if saved is None else f"left out {saved:,}"
+    tr._warn(
+        f"{where} was written by a run that {before}; this one leaves out {now:,} documents "
+        "that supervise nothing within data.max_doc_tokens: the rest of the run sees its "
+        "documents in another order than an uninterrupted run would (same data, same schedule)"
+    )

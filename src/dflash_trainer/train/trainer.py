@@ -42,7 +42,7 @@ from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_
 from dflash_trainer.target.configs import allow_remote_code
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
-from dflash_trainer.train.batching import Position, TokenBudgetBatcher
+from dflash_trainer.train.batching import Position, TokenBudgetBatcher, first_supervised_of
 from dflash_trainer.train.checkpoint import CheckpointData, Checkpointer
 from dflash_trainer.train.dataset import TrainData, load_train_data, tokenizer_spec
 from dflash_trainer.train.drafter_init import init_drafter_from, init_output_norm, new_drafter
@@ -243,7 +243,10 @@ class Trainer(Stepper):
             cfg.data.shuffle_seed,
             self.world.rank,
             self.world.world_size,
+            first_supervised_of(self.data.train),
         )
+        if note := self.batcher.unsupervised_note():
+            self._log(note)
         micro_per_epoch = self.batcher.steps_per_epoch
         self.total_steps = t.max_steps or max(
             1, math.ceil(t.epochs * micro_per_epoch / t.grad_accum_steps)
