@@ -30,8 +30,13 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
+# In parallel, one worker per core up to TEST_WORKERS (each loads real models: more would
+# only add memory). A worker takes whole files (their module fixtures are built once);
+# `make unit TEST_WORKERS=0` runs the suite in this process, one test after another.
+TEST_WORKERS ?= 4
 unit: setup vllm-env-if-possible
-	$(BIN)/pytest -q
+	if [ "$(TEST_WORKERS)" = 0 ]; then $(BIN)/pytest -q; else \
+		$(BIN)/pytest -q -n auto --maxprocesses $(TEST_WORKERS) --dist loadfile; fi
 
 test: lint typecheck unit
 

@@ -54,7 +54,12 @@ def gguf_cache_dir(tmp_path_factory):
     from dflash_trainer import gguf_cache
 
     before = os.environ.get(gguf_cache.ENV)
-    os.environ[gguf_cache.ENV] = str(tmp_path_factory.mktemp("gguf-cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one for all the run's workers: built once
+        root = tmp_path_factory.getbasetemp().parent / "gguf-cache"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("gguf-cache")
+    os.environ[gguf_cache.ENV] = str(root)
     yield
     if before is None:
         os.environ.pop(gguf_cache.ENV, None)
@@ -86,7 +91,20 @@ def random_docs(
     return ids, masks
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With parallel workers (pytest -n N) each takes its share of the cores for torch: N
+    workers of all the cores each would only contend."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Modules with a slow test first (whole: their module fixtures are built once): run in
+    # parallel, the last minutes then hold many short tests to share among the workers, not
+    # one long one that keeps the others idle. The sort is stable: file order otherwise.
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

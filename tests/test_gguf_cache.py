@@ -148,7 +148,9 @@ def test_a_part_is_built_once_then_read(cache, gguf):
     assert load(gguf, built).hidden_size == 64
     assert built == [1]
     entry = next((cache / "gguf").iterdir())
-    assert [p.name for p in entry.iterdir()] == ["config"]  # no temporary directory left
+    # No temporary directory left; the part's lock file stays (empty: a lock, not a record).
+    assert sorted(p.name for p in entry.iterdir()) == [".config.lock", "config"]
+    assert (entry / ".config.lock").stat().st_size == 0
 
 
 def test_off_and_unwritable_caches_load_directly(cache, gguf, monkeypatch):
@@ -194,7 +196,9 @@ def test_a_damaged_part_is_rebuilt_and_said(cache, gguf, capsys, damage):
     assert load(gguf, built).hidden_size == 64 and built == [1]  # the rebuilt part serves
 
 
-def test_two_processes_building_one_part_both_load_it(cache, gguf, tmp_path):
+def test_two_processes_loading_one_part_parse_the_gguf_once(cache, gguf, tmp_path):
+    """The second waits for the first's build (the part's lock) and reads what it wrote; a
+    third, killed while it builds, leaves neither a held lock nor a half part."""
     script = textwrap.dedent(
         f"""
         import sys, time
@@ -205,7 +209,8 @@ def test_two_processes_building_one_part_both_load_it(cache, gguf, tmp_path):
         while not gate.exists():
             time.sleep(0.01)
         def slow():
-            time.sleep(1.0)  # both are building when the first publishes
+            print("parsed", flush=True)
+            time.sleep(float(sys.argv[1]))  # the other process asks meanwhile
             return LlamaConfig(hidden_size=64, num_hidden_layers=1, vocab_size=50)
         cfg = gguf_cache.cached({str(gguf.parent)!r}, {gguf.name!r}, "config", slow,
                                 AutoConfig.from_pretrained, lambda c, p: c.save_pretrained(p))
@@ -213,13 +218,20 @@ def test_two_processes_building_one_part_both_load_it(cache, gguf, tmp_path):
         """
     )
     env = {**os.environ, gguf_cache.ENV: str(cache)}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+
+    def start(seconds: float) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-c", script, str(seconds)]
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+
     (tmp_path / "go").touch()
-    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0] and outs == ["64", "64"]
+    stuck = start(600.0)  # parses, then is killed while it holds the lock
+    assert stuck.stdout is not None and stuck.stdout.readline().strip() == "parsed"
+    stuck.kill()
+    stuck.wait()
+    procs = [start(1.0) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sorted(outs) == [["64"], ["parsed", "64"]]  # one parse for the two
     entry = next((cache / "gguf").iterdir())
-    assert [p.name for p in entry.iterdir()] == ["config"]
+    assert sorted(p.name for p in entry.iterdir()) == [".config.lock", "config"]
     assert load(gguf).hidden_size == 64

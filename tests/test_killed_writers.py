@@ -50,6 +50,17 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     go_offline(monkeypatch)
 
 
+@pytest.fixture(autouse=True)
+def interruptible_children() -> Iterator[None]:
+    """The commands these tests start get SIGINT as from a terminal. A child inherits SIGINT
+    only where this process ignores it (an ignored signal survives exec, and Python then
+    installs no KeyboardInterrupt): a test runner's worker that ignores it would make the
+    children deaf to the Ctrl-C under test. Python's own handler here gives them the default."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 _TEMP = re.compile(r"^\..+\.(tmp|old)(\.[0-9a-f]{8})?-[A-Za-z0-9_.]+-\d+$")  # atomic_dir's names
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 

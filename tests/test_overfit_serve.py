@@ -56,7 +56,7 @@ from dflash_trainer.formats.export import export_drafter
 from dflash_trainer.target.model import FrozenTarget
 from dflash_trainer.train.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 BLOCK = 8
 LAYER_IDS = [1, 2]

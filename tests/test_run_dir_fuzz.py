@@ -50,6 +50,8 @@ from test_data_support import write_jsonl
 from dflash_trainer.cli import main
 from dflash_trainer.errors import DFlashError
 
+pytestmark = pytest.mark.slow  # the commands load the real default target
+
 CASES = int(os.environ.get("DFLASH_RUN_FUZZ_CASES", "6"))
 """Sampled cases beyond the regressions (REGRESSIONS)."""
 WALL_SECONDS = 20

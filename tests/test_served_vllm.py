@@ -20,6 +20,8 @@ from dflash_trainer.data.openai_client import OpenAIClient
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.serve.vllm_server import group_alive, vllm_python
 
+pytestmark = pytest.mark.slow  # a vLLM server on the real asset: minutes
+
 ROOT = Path(__file__).parents[1]
 DRAFTER = ROOT / "drafters" / "smollm2-135m-dflash-b16"
 

@@ -216,6 +216,7 @@ def sampling_drafter(target: FrozenTarget, kind: str, block: int = 3) -> DFlashD
     return model
 
 
+@pytest.mark.slow  # 2,000 generations per case
 @pytest.mark.parametrize(
     ("kind", "scale"), [("dflash", 1.0), ("dflash2", 1.0), ("dflash", 0.4), ("dflash2", 0.4)]
 )

@@ -13,7 +13,8 @@ Where: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash-trainer`, else `~/.cach
 size, modification time and a hash of its first and last MiB, so an edited or replaced GGUF gets a
 new entry instead of the old one's parts. Each part is written whole or not at all
 (`atomic_directory`): a load killed midway leaves no half part, and two processes building the
-same part both finish, one copy kept. A cached part is checked as any model directory a user
+same part never both parse the GGUF: the second waits for the first (a kernel lock per part)
+and reads what it wrote. A cached part is checked as any model directory a user
 names (`check_model_files`, and `check_model_weights` for the weights). A cache that cannot be
 written, or a part that fails those checks or no longer loads (damaged by hand), never stops a
 load: the GGUF is read directly, and a damaged part is rebuilt from it.
@@ -21,13 +22,16 @@ load: the GGUF is read directly, and a damaged part is rebuilt from it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from dflash_trainer.atomic_dir import atomic_directory
 from dflash_trainer.errors import DFlashError
@@ -91,33 +95,79 @@ def cached(
     """`part` of a GGUF: read from its cached plain files, else from the GGUF and then cached."""
     try:
         where = part_dir(directory, gguf, part)
-        present = where is not None and where.is_dir()
     except OSError:  # a cache directory this user may not read: as if there were none
-        where, present = None, False
+        where = None
     if where is None:
         return from_gguf()
-    if present:
+    with _one_builder(where):  # a second process waits here, then reads what the first wrote
+        found = _read(where, gguf, part, from_plain)
+        if found is not _MISSING:
+            return cast(T, found)
+        obj = from_gguf()
         try:
-            # Read as any model directory a user names is: no FIFO or device among its files,
-            # the counts and sizes of its config.json within a real model's.
-            check_model_files(where, f"the cached {part} of {gguf}")
-            return from_plain(where)
-        except Exception as e:  # any failure of a cached copy: the GGUF itself can serve
-            print(
-                f"[dflash] cached {part} of {gguf} does not load ({e}); rebuilding it "
-                f"from the GGUF: {where}",
-                file=sys.stderr,
-            )
-            shutil.rmtree(where, ignore_errors=True)
-    obj = from_gguf()
-    try:
-        with atomic_directory(where, log=_quiet) as tmp:
-            save(obj, tmp)
-    except (OSError, DFlashError):  # read-only home, full disk, a concurrent writer won
-        return obj
+            with atomic_directory(where, log=_quiet) as tmp:
+                save(obj, tmp)
+        except (OSError, DFlashError):  # read-only home, full disk, a concurrent writer won
+            return obj
     print(f"[dflash] kept the {part} read from {gguf} as plain files in {where}: later loads "
           f"read those (set {ENV}=off to read the GGUF each time)", file=sys.stderr)  # fmt: skip
     return obj
+
+
+_MISSING = object()
+BUILD_WAIT_S = 900.0
+"""How long a load waits for another process building the same part (a build takes under a
+minute for SmolLM2's weights) before it reads the GGUF itself."""
+
+
+def _read(where: Path, gguf: str, part: str, from_plain: Callable[[Path], T]) -> object:
+    """The cached part, or _MISSING when there is none or it does not load (then removed)."""
+    try:
+        if not where.is_dir():
+            return _MISSING
+    except OSError:
+        return _MISSING
+    try:
+        # Read as any model directory a user names is: no FIFO or device among its files,
+        # the counts and sizes of its config.json within a real model's.
+        check_model_files(where, f"the cached {part} of {gguf}")
+        return from_plain(where)
+    except Exception as e:  # any failure of a cached copy: the GGUF itself can serve
+        print(
+            f"[dflash] cached {part} of {gguf} does not load ({e}); rebuilding it "
+            f"from the GGUF: {where}",
+            file=sys.stderr,
+        )
+        shutil.rmtree(where, ignore_errors=True)
+        return _MISSING
+
+
+@contextlib.contextmanager
+def _one_builder(where: Path) -> Iterator[None]:
+    """Held while a process reads or builds `where`: ranks of one torchrun (or test workers)
+    loading the same GGUF parse it once, not once each. The lock is the kernel's (flock): it
+    goes with its process, so a killed builder never leaves it held. Where it cannot be taken
+    (no cache directory to write, a builder stuck for BUILD_WAIT_S), the load goes on
+    without it, as before."""
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(where.parent / f".{where.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def strip_gguf_marks(model: Any) -> Any:
