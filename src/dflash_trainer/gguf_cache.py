@@ -151,7 +151,8 @@ def _one_builder(where: Path) -> Iterator[None]:
     without it, as before."""
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(where.parent / f".{where.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # a link in its place is not followed
+        fd = os.open(where.parent / f".{where.name}.lock", flags, 0o600)
     except OSError:
         yield
         return
