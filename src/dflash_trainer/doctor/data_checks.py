@@ -78,6 +78,7 @@ def _jsonl_sample(p: Path, max_tokens: int) -> DataSample:
                 raise DFlashError(
                     f"{p}:{n + 1}: expected a JSON object with input_ids ({e})"
                 ) from e
+            on = [i for i in on if i < len(row)]  # a mask longer than its row: the row's part
             lengths.append(len(row))
             sup.append(len(on))
             first.append(min([i for i in on if i] + [len(row)]))
