@@ -140,9 +140,9 @@ def _write_data(path: Path, supervised_every: int, n_docs: int = 40) -> Path:
     return path
 
 
-def test_unsupervised_documents_take_no_step(tmp_path):
-    """The batcher leaves out documents that supervise nothing (test_batching_windows.py):
-    no step is spent on them."""
+def _sparse_run(tmp_path: Path) -> tuple[Trainer, list[dict]]:
+    """An 8-step run on data where one document in four is supervised: the trained trainer
+    and its logged rows (one per step, 1..8)."""
     data = _write_data(tmp_path / "sparse", supervised_every=4)
     cfg = tiny_config(
         tmp_path,
@@ -150,10 +150,17 @@ def test_unsupervised_documents_take_no_step(tmp_path):
         training={"max_steps": 8, "log_every": 1, "checkpoint_every": 100},
     )
     tr = Trainer(cfg, log_to_console=False)
-    assert tr.batcher.unsupervised()[0] == 30
     tr.train()
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 9))
+    return tr, rows
+
+
+def test_unsupervised_documents_take_no_step(tmp_path):
+    """The batcher leaves out documents that supervise nothing (test_batching_windows.py):
+    no step is spent on them."""
+    tr, rows = _sparse_run(tmp_path)
+    assert tr.batcher.unsupervised()[0] == 30
     assert rows[-1]["skipped_steps"] == 0 and tr.micro_steps == 8
 
 
@@ -161,16 +168,7 @@ def test_unsupervised_steps_are_skipped_without_using_up_the_schedule(tmp_path, 
     """A source that cannot say which documents supervise nothing (no first_supervised):
     a step whose anchors have no supervised slot is skipped, the schedule does not advance."""
     monkeypatch.setattr("dflash_trainer.train.trainer.first_supervised_of", lambda _: None)
-    data = _write_data(tmp_path / "sparse", supervised_every=4)
-    cfg = tiny_config(
-        tmp_path,
-        data={"train": str(data)},
-        training={"max_steps": 8, "log_every": 1, "checkpoint_every": 100},
-    )
-    tr = Trainer(cfg, log_to_console=False)
-    tr.train()
-    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    tr, rows = _sparse_run(tmp_path)
     assert all(r["loss"] > 0 and r["valid_slots"] > 0 for r in rows), rows
     assert rows[-1]["skipped_steps"] > 0  # the sparse data did produce empty steps
     assert tr.scheduler.last_epoch == 8  # the schedule advanced once per real step

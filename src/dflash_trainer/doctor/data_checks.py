@@ -155,8 +155,10 @@ def _length(lengths: np.ndarray, limit: int) -> Check:
 
 def _windows(lengths: np.ndarray, first: np.ndarray, limit: int) -> Check:
     """Documents whose first `limit` tokens supervise nothing: training leaves them out."""
+    from dflash_trainer.train.batching import left_out
+
     clipped = np.minimum(lengths, limit)
-    out = (first >= clipped) & (clipped >= 2)
+    out = left_out(lengths, first, limit)
     n, tokens = int(out.sum()), int(clipped[out].sum())
     if n and n == int((clipped >= 2).sum()):
         return Check(

@@ -41,6 +41,15 @@ class Position:
     step: int = 0
 
 
+def left_out(
+    lengths: Sequence[int] | np.ndarray, first_supervised: np.ndarray, max_doc_tokens: int
+) -> np.ndarray:
+    """Bool [N]: documents of at least 2 kept tokens whose kept window (`max_doc_tokens`)
+    holds no supervised token after the first; epochs leave them out."""
+    clipped = np.minimum(np.asarray(lengths, dtype=np.int64), max_doc_tokens)
+    return (np.asarray(first_supervised) >= clipped) & (clipped >= 2)
+
+
 def epoch_steps(
     lengths: Sequence[int] | np.ndarray,
     token_budget: int,
@@ -56,7 +65,7 @@ def epoch_steps(
     order = np.random.default_rng([seed, epoch]).permutation(n)
     clipped = np.minimum(np.asarray(lengths, dtype=np.int64), max_doc_tokens)
     if first_supervised is not None:  # nothing to learn inside the kept window: as if empty
-        clipped = np.where(np.asarray(first_supervised) < clipped, clipped, 0)
+        clipped = np.where(left_out(lengths, first_supervised, max_doc_tokens), 0, clipped)
     steps: list[list[int]] = []
     cur: list[int] = []
     used = 0
@@ -150,9 +159,8 @@ class TokenBudgetBatcher:
         within their kept window (`max_doc_tokens`)."""
         if self.first_supervised is None:
             return 0, 0
-        clipped = np.minimum(self.lengths, self.max_doc_tokens)
-        out = (np.asarray(self.first_supervised) >= clipped) & (clipped >= 2)
-        return int(out.sum()), int(clipped[out].sum())
+        out = left_out(self.lengths, self.first_supervised, self.max_doc_tokens)
+        return int(out.sum()), int(np.minimum(self.lengths[out], self.max_doc_tokens).sum())
 
     def unsupervised_note(self) -> str | None:
         """What the run says about the documents `unsupervised` counts (None: there are none)."""
