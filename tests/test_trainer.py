@@ -114,6 +114,21 @@ def test_nan_steps_are_skipped_then_stop_the_run(tmp_path):
         assert torch.equal(v, saved[k])
 
 
+def test_non_finite_weights_never_replace_the_last_good_checkpoint(tmp_path):
+    tr = Trainer(tiny_config(tmp_path, training={"max_steps": 4}), log_to_console=False)
+    tr.train_step()
+    tr.save_checkpoint()
+    tr.train_step()
+    tr.drafter.fc.weight.data[0, 0] = math.nan
+    with pytest.raises(DFlashError, match=r"step 2: .* non-finite weights.*\(step_00000001\)"):
+        tr.save_checkpoint()
+    assert tr.checkpointer.latest() == "step_00000001"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == [
+        "step_00000001"
+    ]
+    tr.release()
+
+
 def test_a_run_shorter_than_max_bad_steps_with_every_step_non_finite_fails(tmp_path):
     cfg = tiny_config(tmp_path, training={"max_steps": 2, "max_bad_steps": 5})
     tr = Trainer(cfg, log_to_console=False)

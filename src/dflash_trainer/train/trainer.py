@@ -18,7 +18,8 @@ the ones before it:
   8. `_build_checkpointer`: checkpoints, then the resumed state restored
      (train/checkpoint.py says what a checkpoint holds);
   9. `_build_metrics`: JSONL and TensorBoard, cut back to the resumed step.
-`train()` is the loop; `train_step()` and its stages are in train/stepping.py.
+`train()` is the loop; `train_step()` and its stages are in train/stepping.py, what the
+run writes of its drafter (checkpoints, the final drafter, plots) in train/run_outputs.py.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.config import Config, config_to_dict
-from dflash_trainer.core.dflash2 import serving_state
+from dflash_trainer.config import Config
 from dflash_trainer.core.geometry import resolve_drafter_spec
 from dflash_trainer.data.tokenizer_check import check_train_data
 from dflash_trainer.dir_lock import DirLock, acquire
 from dflash_trainer.errors import DFlashError
 from dflash_trainer.eval.in_training import InTrainingEval
-from dflash_trainer.lineage.training import Inheritance, check_fresh, files_for_run
+from dflash_trainer.lineage.training import Inheritance, check_fresh
 from dflash_trainer.target.configs import allow_remote_code
 from dflash_trainer.target.model import FrozenTarget, load_target_model
 from dflash_trainer.train import distributed as D
@@ -56,11 +56,12 @@ from dflash_trainer.train.resume_check import (
     check_saved_config,
 )
 from dflash_trainer.train.run_dir import MetricsLog, check_fresh_start, write_run_files
+from dflash_trainer.train.run_outputs import save_checkpoint, write_final_drafter, write_plots
 from dflash_trainer.train.step import (
     settings_for_spec,
 )
 from dflash_trainer.train.stepping import Stepper, StepStats, TargetPrefetcher
-from dflash_trainer.train.train_state import capture_state, full_states, restore_state, run_meta
+from dflash_trainer.train.train_state import restore_state
 
 
 def _warn(msg: str) -> None:
@@ -328,8 +329,8 @@ class Trainer(Stepper):
                 return stopped
             self._check_ending(first)
             last_ckpt = self.save_checkpoint()
-            self._write_final_drafter()
-            self._write_plots()
+            write_final_drafter(self)
+            write_plots(self)
         finally:
             if self.prefetch is not None:
                 self.prefetch.close()
@@ -449,39 +450,8 @@ class Trainer(Stepper):
         return self.world.distributed and self.cfg.distributed.data_parallel == "fsdp"
 
     def save_checkpoint(self) -> str | None:
-        state, optim_state = full_states(self)
-        if not self.world.is_main:
-            D.broadcast_object(None, self.world)
-            return None
-        if not all(bool(torch.isfinite(v).all()) for v in state.values()):
-            raise DFlashError(
-                f"step {self.step}: the drafter has non-finite weights; refusing to overwrite "
-                f"the last good checkpoint ({self.checkpointer.latest() or 'none'})"
-            )
-        loc = self.checkpointer.save(capture_state(self, state, optim_state))
-        D.broadcast_object(loc, self.world)
-        return loc
-
-    def _write_final_drafter(self) -> None:
-        state, _ = full_states(self)
-        if not self.world.is_main:
-            return
-        from dflash_trainer.formats.drafter_io import write_drafter_dir
-
-        state, _ = serving_state(state, self.drafter.candidate_selector)
-        lineage = files_for_run(self, state, config_to_dict(self.cfg))
-        write_drafter_dir(self.run_dir / "drafter", self.spec, state, run_meta(self), lineage)
-        self._log(f"final drafter written to {self.run_dir / 'drafter'}")
-
-    def _write_plots(self) -> None:
-        if not self.world.is_main:
-            return
-        from dflash_trainer.train.plots import plot_run
-
-        try:
-            plot_run(self.run_dir)
-        except (DFlashError, ImportError, OSError) as e:
-            self._log(f"plots not written: {e}")
+        """Checkpoint now (every rank calls); train/run_outputs.py says what it refuses."""
+        return save_checkpoint(self)
 
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
