@@ -159,3 +159,50 @@ def test_split_does_not_depend_on_order_or_on_the_other_documents(tmp_path: Path
     assert len(common) == 40
     assert all(split_a[i] == split_b[i] for i in common)
     assert {"train", "eval"} == set(split_a.values())
+
+
+def _varied_rows(n: int, seed: int = 1) -> list[dict[str, list]]:
+    """Rows of 1 to 700 tokens, masks from sparse to full: counts from 1 to past 255 (prepare
+    drops a row that supervises nothing)."""
+    rng = random.Random(seed)
+    rows: list[dict[str, list]] = []
+    for k in range(n):
+        length = rng.choice([1, 2, rng.randint(3, 40), rng.randint(280, 700)])
+        density = (0.02, 0.1, 0.9, 1.0)[k % 4]
+        mask = [rng.random() < density for _ in range(length)]
+        rows.append({"input_ids": [rng.randrange(400) for _ in range(length)], "loss_mask": mask})
+    return rows
+
+
+def test_supervised_counts_summed_in_chunks_are_the_masks_sums(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "rows.jsonl", _varied_rows(90))
+    out = prepare_dataset(
+        src, tiny_tokenizer(), tmp_path / "prep", eval_fraction=0.0, shard_tokens=2000
+    )
+    ds = PreparedDataset(out, "train")
+    want = [int(d.loss_mask.sum()) for d in ds.iter_documents()]  # one document at a time
+    assert len(ds._shards) > 3 and max(want) > 255  # a uint8 sum would wrap
+    got = ds.supervised_counts()
+    assert got.dtype == np.int64 and got.tolist() == want
+    # Chunks smaller than a document, around document sizes, and past a shard's end.
+    for chunk in (1, 2, 3, 7, 64, 301, 5000):
+        per_shard = [s.supervised_counts(chunk) for s in ds._shards]
+        assert np.concatenate(per_shard).tolist() == want, chunk
+
+
+def test_supervised_counts_never_widen_the_whole_shard(tmp_path: Path) -> None:
+    import tracemalloc
+
+    src = write_jsonl(tmp_path / "rows.jsonl", _varied_rows(200, seed=2))
+    out = prepare_dataset(src, tiny_tokenizer(), tmp_path / "prep", eval_fraction=0.0)
+    shard = PreparedDataset(out, "train")._shards[0]  # one shard holds every document
+    tokens = int(shard.offsets[-1])
+    want = shard.supervised_counts()  # maps the files before memory is measured
+    tracemalloc.start()
+    try:
+        got = shard.supervised_counts(chunk=256)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got.tolist() == want.tolist()
+    assert tokens > 10_000 and peak < 2 * tokens  # the shard as int64 would be 8 x tokens
