@@ -20,6 +20,9 @@ from dflash_trainer.data.prepare import prepare_dataset
 from dflash_trainer.data.shards import PreparedDataset
 from dflash_trainer.doctor.data_checks import check_data, load_data_sample
 from dflash_trainer.errors import DFlashError
+from dflash_trainer.plan.dataset import data_stats
+from dflash_trainer.plan.planner import predict
+from dflash_trainer.plan.workload import DataStats, step_shape
 from dflash_trainer.train.batching import TokenBudgetBatcher, epoch_steps
 from dflash_trainer.train.trainer import Trainer
 
@@ -157,3 +160,31 @@ def test_a_checkpoint_of_another_epoch_plan_is_resumed_with_a_warning(
     (step / "trainer_state.json").write_text(json.dumps(state))
     assert Trainer(cfg, resume=True, log_to_console=False).step == 2
     assert "left_out_docs is '21', not a count" in capsys.readouterr().err
+
+
+def test_the_planner_replays_the_epoch_the_trainer_runs(tmp_path: Path) -> None:
+    """`dflash plan` on data whose window leaves documents out: its steps per epoch and its
+    documents and tokens per step are those of the trainer's epoch plan, not of every
+    document; where no document is left, it says so instead of planning nothing."""
+    cfg = tiny_config(tmp_path, data={"max_doc_tokens": 16, "token_budget": 32})
+    tr = Trainer(cfg, log_to_console=False)
+    tr.release()
+    assert tr.batcher.unsupervised()[0] > 0
+    steps = tr.batcher._epoch(0)
+    stats = data_stats(cfg)
+    assert stats.documents == len(tr.batcher.lengths)
+    for compile in (False, True):  # the unpadded step and the fast step's fixed shapes
+        shape = step_shape(stats, cfg, tr.spec, compile)
+        assert shape.steps_per_epoch == len(steps) == tr.batcher.steps_per_epoch
+        assert shape.docs == pytest.approx(np.mean([len(s) for s in steps]))
+        tokens = [int(np.minimum(tr.batcher.lengths[s], 16).sum()) for s in steps]
+        assert shape.target_tokens == pytest.approx(np.mean(tokens))
+    hf = tr.target.model.config
+    pred = predict(cfg, "h100", gpus=1, data=stats, compile=False, target_hf_config=hf)
+    assert pred.steps_per_epoch == tr.batcher.steps_per_epoch
+    # Without the masks (the manifest's counts alone) every document is taken as supervised.
+    blind = DataStats(stats.documents, stats.lengths, stats.mean_tokens, 0.5, "lengths only")
+    assert step_shape(blind, cfg, tr.spec, False).steps_per_epoch > len(steps)
+    narrow = tiny_config(tmp_path, data={"max_doc_tokens": 4, "token_budget": 32})
+    with pytest.raises(DFlashError, match=r"no step to plan: .* within its first 4 tokens"):
+        step_shape(data_stats(narrow), narrow, tr.spec, False)

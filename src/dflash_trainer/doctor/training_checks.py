@@ -132,7 +132,12 @@ def check_memory(
             else 0.5
         )
         stats = DataStats(
-            len(sample.lengths), sample.lengths, float(sample.lengths.mean()), frac, sample.source
+            len(sample.lengths),
+            sample.lengths,
+            float(sample.lengths.mean()),
+            frac,
+            sample.source,
+            sample.first_supervised,
         )
     else:
         stats = data_stats(cfg)

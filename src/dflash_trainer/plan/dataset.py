@@ -65,18 +65,19 @@ def _prepared_stats(path: Path, supervised_fraction: float | None) -> DataStats:
         docs = len(ds)
         tokens = float(lengths.sum())
         sup = float(ds.supervised_counts().sum())
+        first = ds.first_supervised()  # which documents the epoch leaves out
     except (DFlashError, ImportError, OSError, KeyError) as e:
         # Shards unreadable: the manifest's counts still give steps per epoch.
         docs = int(train.get("documents", 0))
         tokens = float(train.get("tokens", 0))
         sup = float(train.get("supervised_tokens", 0))
-        lengths = None
+        lengths, first = None, None
         if not docs or not tokens:
             raise DFlashError(f"{path}: cannot read its documents ({e})") from e
     if not docs:
         raise DFlashError(f"{path}: the train split has no documents")
     frac = supervised_fraction or (sup / tokens if tokens and sup else DEFAULT_SUPERVISED_FRACTION)
-    return DataStats(docs, lengths, tokens / docs, frac, f"{path}/manifest.json")
+    return DataStats(docs, lengths, tokens / docs, frac, f"{path}/manifest.json", first)
 
 
 def check_plan_data(cfg: Config, data: str | None) -> None:

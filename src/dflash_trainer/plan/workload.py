@@ -6,7 +6,9 @@ KV = T + Q keys, R = slots that carry a loss.
 
 The shapes come from replaying the trainer's own rules on the dataset's real lengths
 (or on documents of `mean_tokens` each when only the mean is known):
-`batching.epoch_steps` cuts the epoch into token-budget steps; the target runs each
+`batching.epoch_steps` cuts the epoch into token-budget steps, leaving out the documents
+the trainer leaves out (`batching.left_out`: nothing supervised after position 0 within
+data.max_doc_tokens, known where the dataset's masks are read); the target runs each
 step as the trainer's length-sorted right-padded micro-batches (`step._micro_batches`),
 so its compute follows rows x longest, not the real token count; with compile on, the
 pack and the anchor count are padded to fixed shapes exactly as `StepSettings` says.
@@ -29,6 +31,7 @@ from dflash_trainer.core.anchors import sample_anchors
 from dflash_trainer.core.geometry import DrafterSpec
 from dflash_trainer.core.masks import FLEX_BLOCK, build_intervals
 from dflash_trainer.core.packing import Pack, pack_documents
+from dflash_trainer.errors import DFlashError
 from dflash_trainer.train.batching import epoch_steps
 from dflash_trainer.train.fast_layout import (
     fast_shapes,
@@ -56,6 +59,10 @@ class DataStats:
     """Fraction of tokens with loss (assistant text)."""
     source: str
     """Where the numbers came from (manifest path, flags, assumption)."""
+    first_supervised: np.ndarray | None = None
+    """int64 per document, aligned with `lengths`: the first supervised position after
+    position 0 (its length if none), from which the epoch leaves documents out (None: every
+    document is taken to supervise something in its window)."""
 
     @staticmethod
     def uniform(
@@ -179,16 +186,39 @@ def count_pairs(
     return anchors.num_anchors, float(anchors.slot_valid_NB.sum()), pairs
 
 
-def _replay_lengths(stats: DataStats, cfg: Config, rng: np.random.Generator) -> np.ndarray:
+def _replay_documents(
+    stats: DataStats, cfg: Config, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(lengths, first supervised positions or None) of the documents to replay."""
     if stats.lengths is not None and len(stats.lengths):
         lengths = np.asarray(stats.lengths, dtype=np.int64)
+        first = stats.first_supervised
         if len(lengths) > MAX_REPLAY_DOCS:
-            lengths = rng.choice(lengths, MAX_REPLAY_DOCS, replace=False)
-        return lengths
+            # The same documents' lengths and positions (choice of an array picks these
+            # indices: the sample is the one earlier versions replayed).
+            picks = rng.choice(len(lengths), MAX_REPLAY_DOCS, replace=False)
+            lengths = lengths[picks]
+            first = None if first is None else np.asarray(first)[picks]
+        return lengths, first
     # Only a mean is known: enough equal documents for several steps.
     one = int(max(2, round(stats.mean_tokens)))
     per_step = max(1, cfg.data.token_budget // min(one, cfg.data.doc_limit))
-    return np.full(per_step * 4 * PAIR_SAMPLE_PACKS, one, dtype=np.int64)
+    return np.full(per_step * 4 * PAIR_SAMPLE_PACKS, one, dtype=np.int64), None
+
+
+def _replay_epoch(stats: DataStats, cfg: Config) -> tuple[np.ndarray, list[list[int]]]:
+    """The replayed documents' lengths and the trainer's first epoch of them, cut into steps
+    (`batching.epoch_steps`, which leaves out what the trainer's epochs leave out)."""
+    d = cfg.data
+    lengths, first = _replay_documents(stats, cfg, np.random.default_rng(d.shuffle_seed))
+    steps = epoch_steps(lengths, d.token_budget, d.doc_limit, d.shuffle_seed, 0, first)
+    if not steps:
+        raise DFlashError(
+            f"{stats.source}: no step to plan: every document is shorter than 2 tokens or "
+            f"supervises nothing within its first {d.doc_limit:,} tokens (data.max_doc_tokens / "
+            "token_budget); raise data.max_doc_tokens"
+        )
+    return lengths, steps
 
 
 def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) -> StepShape:
@@ -202,8 +232,7 @@ def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) 
     fast_rows = (
         fast_shapes(st, d.doc_limit, True, cfg.training.target_chunk_tokens) if fast else None
     )
-    lengths = _replay_lengths(stats, cfg, np.random.default_rng(d.shuffle_seed))
-    steps = epoch_steps(lengths, d.token_budget, d.doc_limit, d.shuffle_seed, 0)
+    lengths, steps = _replay_epoch(stats, cfg)
     clipped = np.minimum(lengths, d.doc_limit)
     docs, real, padded, attn, lmax, micro = [], [], [], [], [], []
     for idx in steps:
@@ -265,5 +294,7 @@ def step_shape(stats: DataStats, cfg: Config, spec: DrafterSpec, compile: bool) 
         block_size=spec.block_size,
         rows=float(np.mean(rows)),
         pairs=pairs,
-        steps_per_epoch=stats.documents / docs_per_step if docs_per_step else 0.0,
+        # The replayed epoch's steps, scaled from the documents replayed to all of them:
+        # the trainer's count where every document is replayed (up to MAX_REPLAY_DOCS).
+        steps_per_epoch=len(steps) * stats.documents / len(lengths),
     )
