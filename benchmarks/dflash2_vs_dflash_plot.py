@@ -19,7 +19,7 @@ def _curves(summary: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[flo
     the deep slots are reached by few steps, so their values are noisy)."""
     panels: dict[tuple[str, str], dict[str, list[float]]] = {}
     for name, sets in summary.items():
-        if name in ("environment", "not_measured") or not isinstance(sets, dict):
+        if name in ("environment", "not_measured", "training_steps") or not isinstance(sets, dict):
             continue
         for set_name, temps in sets.items():
             for tkey, res in temps.items():

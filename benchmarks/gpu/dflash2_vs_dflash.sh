@@ -35,7 +35,7 @@
 #   the same $OUT/eval, e.g. the block-8 drafters after the block-16 ones, adds to its JSON).
 # Outputs: $OUT/eval/dflash2_vs_dflash.json and a report per drafter, set and temperature;
 #   $OUT/<name>/ the runs; $RET/results.tgz (every JSON, log and plot), $RET/weights-<name>.tgz.part-*
-#   (the DFlash2 b16 drafter's files in bf16, 15 MB parts: `cat ... | tar xz`).
+#   (the DFlash2 drafters exported in the z-lab layout, bf16, with their lineage; 15 MB parts: `cat ... | tar xz`).
 # Runtime on one H100: prepare 20 s, each training about a minute, eval about 15 minutes.
 # Result document: benchmarks/dflash2_vs_dflash_smollm2_<gpu>_<date>.md
 source "$(dirname "$0")/../lib.sh"
@@ -122,27 +122,13 @@ eval_all() {
     --out "$OUT/eval" "${dev[@]}" > "$OUT/eval${EVAL_TAG:-}.log" 2>&1
 }
 
-pack_weights() {  # a run's final drafter files in bf16, in parts under 16 MB
+pack_weights() {  # a run's final drafter exported (z-lab layout, bf16, its lineage with the
+  # export's weights hash: what would be published), in parts under 16 MB
   local name=$1 dir="$OUT/weights/$1"
   [ -d "$OUT/$name/drafter" ] || return 0
-  "$PY" - "$OUT/$name/drafter" "$dir" << 'PYEOF'
-import json
-import shutil
-import sys
-from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
-
-src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-state = load_file(str(src / "drafter.safetensors"))
-save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
-          str(dst / "drafter.safetensors"))
-for f in ("spec.json", "meta.json"):
-    shutil.copy(src / f, dst / f)
-print(json.dumps({"tensors": len(state), "dir": str(dst)}))
-PYEOF
+  rm -rf "$dir"
+  mkdir -p "$OUT/weights"
+  $DFLASH export "$OUT/$name/drafter" --to zlab "$dir" --dtype bfloat16 > "$OUT/export_$name.log" 2>&1 || return 1
   rm -f "$RET/weights-$name.tgz.part-"*
   tar czf - -C "$OUT/weights" "$name" | split -b 15000000 - "$RET/weights-$name.tgz.part-"
 }
