@@ -207,8 +207,9 @@ def test_a_continuation_trains_the_later_turns_of_earlier_conversations(
     cfg = config_from_dict(cfg)
     # Data that supervises every turn again: 4 conversations x 2 turns + 8 x 1 recorded.
     refused = replace(cfg, drafter={"init_from": str(run2)})
-    with pytest.raises(DFlashError, match=r"12 of its 12 training prompts supervise 16 assistant "
-                       r"turn\(s\) .*mix/c0 turn 1.*--exclude-lineage"):  # fmt: skip
+    needle = (r"12 of its 12 training prompts supervise 16 assistant turn\(s\) .*assistant "
+              r"turn 1 of prompt 'mix/c0'.*--exclude-lineage")  # fmt: skip
+    with pytest.raises(DFlashError, match=needle):
         Trainer(refused, log_to_console=False)
     # Data whose earlier turns are context: accepted, trained, recorded per turn.
     run3 = tmp_path / "run3"

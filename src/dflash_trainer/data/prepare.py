@@ -426,7 +426,13 @@ def prepare_dataset(
         exclusion = _Exclusion(exclude) if exclude else None
         if exclude:  # likewise absent without exclusion
             digest = hashlib.sha256("\n".join(exclude.lines()).encode("utf-8")).hexdigest()
-            settings["exclude_turns"] = {"ids": len(exclude), "sha256": digest}
+            # "match": ids now match across a source prefix (lineage/turns.py), so a directory
+            # prepared under exact matching is not reused as if it had been excluded alike.
+            settings["exclude_turns"] = {
+                "ids": len(exclude),
+                "sha256": digest,
+                "match": "across-source-prefix",
+            }
         inp = _inputs(source, tokenizer, template_kwargs, settings)
         if _reuse(out, inp.fingerprint, overwrite):
             return out

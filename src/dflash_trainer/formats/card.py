@@ -219,6 +219,7 @@ def model_card(
     target: str | None,
     evals: list[dict[str, Any]] | None = None,
     lineage: dict[str, Any] | None = None,
+    lineage_prompts: list[dict[str, Any]] | None = None,
 ) -> str:
     if lineage is not None:
         meta = _meta_from_lineage(meta, lineage)
@@ -249,7 +250,7 @@ def model_card(
     if lineage is not None:
         from dflash_trainer.lineage.summary import lineage_lines
 
-        lines += lineage_lines(lineage)
+        lines += lineage_lines(lineage, lineage_prompts)
     lines += ["## Measured acceptance", ""]
     if evals:
         lines += measured_lines(evals, out)

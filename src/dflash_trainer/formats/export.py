@@ -302,8 +302,8 @@ def export_drafter(
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if carried is not None:
             _export_lineage(tmp, carried, fmt, dtype, evals or [])
-        lineage = carried[0] if carried is not None else None
-        card = model_card(spec, meta, fmt, str(out_p), serve, reports, lineage)
+        lineage, prompts = carried if carried is not None else (None, None)
+        card = model_card(spec, meta, fmt, str(out_p), serve, reports, lineage, prompts)
         write_file_atomic(tmp / "README.md", card)
     report = check_export(out_p, t_cfg, special)
     if fmt == "speculators" and serve and not hub_id(serve) and not Path(serve).exists():

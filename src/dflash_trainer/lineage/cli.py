@@ -1,7 +1,8 @@
 """`dflash lineage show | verify | add-eval | init`: read and extend a drafter's lineage.
 
 dflash lineage show DIR                       the continuations and cumulative totals
-dflash lineage verify DIR                     the hashes against the files beside them
+dflash lineage verify DIR                     the hashes against the files beside them,
+                                              no turn of a prompt trained twice
 dflash lineage add-eval DIR REPORT [--name N] served numbers after the last continuation
 dflash lineage init DIR --prompts FILE ...    record how a drafter without a lineage
                                               was trained (its first continuation)
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -35,9 +37,10 @@ from dflash_trainer.lineage.record import (
     weights_sha256,
     write_lineage,
 )
+from dflash_trainer.lineage.reuse import retrained
 from dflash_trainer.lineage.served import eval_entry
 from dflash_trainer.lineage.summary import lineage_lines, replace_section
-from dflash_trainer.lineage.turns import TurnsValue, count, decode, overlap
+from dflash_trainer.lineage.turns import TurnsValue, count
 
 
 def drafter_weights_sha256(path: str | Path) -> str:
@@ -110,8 +113,14 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(totals(lineage), indent=1))
         return 0
+    try:
+        prompts = read_prompts(d)
+    except DFlashError as e:  # the continuations still read; `verify` refuses the files
+        print(f"dflash lineage show: prompt ids not read, so not checked for turns trained "
+              f"twice: {e}", file=sys.stderr)  # fmt: skip
+        prompts = None
     print(f"{d / LINEAGE_FILE}")
-    print("\n".join(lineage_lines(lineage)[2:]))
+    print("\n".join(lineage_lines(lineage, prompts)[2:]))
     return 0
 
 
@@ -140,18 +149,24 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _no_turn_twice(prompts: list[dict[str, TurnsValue]], where: Path) -> dict[str, list[int]]:
     """Refuse a lineage in which two continuations trained on the same (prompt id, assistant
-    turn); a later continuation may train on a prompt's later turns. {id: continuations}."""
+    turn), ids matched across a source prefix too (lineage/reuse.py); a later continuation may
+    train on a prompt's later turns. {id: the continuations recording it}."""
+    again = retrained(prompts)
+    if again:
+        pairs = "; ".join(
+            f"continuations {r.earlier} and {r.later} both trained on {r.reuse.amount()} "
+            f"({r.reuse.details()})"
+            for r in again
+        )
+        raise DFlashError(
+            f"{where}: a continuation trained on turns an earlier one had trained on: {pairs}. "
+            "The record is what those weights saw and stays as it is (`dflash lineage show` "
+            "and the model card say it); for the next continuation, `dflash data prepare "
+            "--exclude-lineage` leaves these turns out and `dflash train` refuses them"
+        )
     seen: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        for pid, value in p.items():
-            for j in seen.get(pid, []):
-                shared = overlap(decode(prompts[j][pid]), decode(value))
-                if shared is None or shared:
-                    which = "every turn" if shared is None else f"assistant turn {shared.first()}"
-                    raise DFlashError(
-                        f"{where}: {which} of prompt {pid!r} is recorded by continuations {j} "
-                        f"and {i}: a continuation trained on a turn an earlier one had trained on"
-                    )
+        for pid in p:
             seen.setdefault(pid, []).append(i)
     return seen
 
@@ -182,11 +197,12 @@ def _add_eval_locked(args: argparse.Namespace) -> int:
         raise DFlashError(f"--continuation {index}: the lineage has 0..{len(conts) - 1}")
     last = conts[index]
     last.setdefault("evals", []).extend(entries)
-    write_lineage(d, lineage, read_prompts(d))
+    prompts = read_prompts(d)
+    write_lineage(d, lineage, prompts)
     card = d / "README.md"
     if card.is_file() and not card.is_symlink():  # the model card of an export
         text = read_small_text(card, "model card")
-        write_file_atomic(card, replace_section(text, lineage_lines(lineage)))
+        write_file_atomic(card, replace_section(text, lineage_lines(lineage, prompts)))
     print(f"{d / LINEAGE_FILE}: {len(entries)} evaluation(s) attached to continuation "
           f"{last['index']}")  # fmt: skip
     return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_trainer.lineage.record import Lineage, totals
+from dflash_trainer.lineage.record import Lineage, PromptTurns, totals
+from dflash_trainer.lineage.reuse import retrained
 from dflash_trainer.lineage.served import merge_served
 
 SECTION = "## Lineage"
@@ -29,19 +30,39 @@ def _sources(data: dict[str, Any]) -> str:
     return ", ".join(f"{k} {_n(v.get('documents', v.get('prompt_ids')))}" for k, v in rows.items())
 
 
-def lineage_lines(lineage: Lineage | None) -> list[str]:
-    """The card's "Lineage" section: cumulative training data, then one row per continuation."""
+def _retrained_lines(prompts: list[PromptTurns] | None) -> tuple[str, list[str]]:
+    """What the summary may say of turns trained twice: the claim that none were (only when
+    the prompt ids say so), and a line per continuation that trained on an earlier one's."""
+    if prompts is None:  # not read: nothing claimed either way
+        return "", []
+    again = retrained(prompts)
+    if not again:
+        return "each continuation on assistant turns no earlier one trained on; ", []
+    lines = [
+        "Not every continuation trained on new turns only; the totals above count these "
+        "turns once for each continuation that trained on them:",
+        "",
+    ]
+    return "", [*lines, *(f"- {r.text()}." for r in again), ""]
+
+
+def lineage_lines(lineage: Lineage | None, prompts: list[PromptTurns] | None) -> list[str]:
+    """The card's "Lineage" section: cumulative training data, then one row per continuation.
+    `prompts`: each continuation's prompt ids (record.read_prompts), which say whether a
+    continuation trained again on turns of an earlier one; None when they were not read."""
     lines = [SECTION, ""]
     if not lineage or not lineage["continuations"]:
         return [*lines, "Not recorded: this drafter has no lineage.json.", ""]
     tot = totals(lineage)
+    fresh, again = _retrained_lines(prompts)
     lines += [
         f"Trained in {tot['continuations']} continuation(s), {_n(tot['steps'])} optimizer steps "
         f"in all, on {_n(tot['documents'])} conversations: {_n(tot['assistant_turns'])} "
         f"assistant turns, {_n(tot['supervised_tokens'])} supervised tokens "
-        "(each continuation on assistant turns no earlier one trained on; `lineage.json` lists "
-        "them, `lineage_prompts.jsonl.gz` holds the prompt ids and their turns).",
+        f"({fresh}`lineage.json` lists them, `lineage_prompts.jsonl.gz` holds the prompt ids "
+        "and their turns).",
         "",
+        *again,
     ]
     if tot["sources"]:
         lines += ["Cumulative per source (what each continuation recorded of it):", ""]

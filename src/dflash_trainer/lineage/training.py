@@ -2,8 +2,9 @@
 
 `Inheritance.of` reads the start drafter's lineage (checked against the weights that were
 loaded), `check_fresh` refuses training data that supervises an assistant turn of a prompt
-the lineage already trained on (later turns of such a prompt are welcome), and `files_for_run` returns the final drafter's lineage files: the inherited
-continuations plus this run's.
+the lineage already trained on (later turns of such a prompt are welcome; ids match across a
+source prefix, lineage/turns.py), and `files_for_run` returns the final drafter's lineage
+files: the inherited continuations plus this run's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash_trainer.lineage.record import (
     read_prompts,
     weights_sha256,
 )
+from dflash_trainer.lineage.reuse import find_reuse
 from dflash_trainer.lineage.turns import RecordedTurns, count
 from dflash_trainer.redact import redact_config
 
@@ -54,7 +56,7 @@ class Inheritance:
 
 def check_fresh(inherited: Inheritance, data_path: Path | None) -> None:
     """Refuse training data that supervises a (prompt id, assistant turn) the start drafter's
-    lineage already trained on."""
+    lineage already trained on, under its id or across a source prefix (`x` = `src/x`)."""
     from dflash_trainer.data.prepare import read_record_ids
 
     used = inherited.used_turns()
@@ -67,19 +69,22 @@ def check_fresh(inherited: Inheritance, data_path: Path | None) -> None:
             f"the lineage of {inherited.init_from}; prepare it again with `dflash data prepare "
             f"--exclude-lineage {inherited.init_from}`"
         )
-    repeated = {
-        pid: t for pid in sorted(used.by_id.keys() & ids) if (t := used.repeated(pid, ids[pid]))
-    }
-    if repeated:
-        turns = sum(t.size() for t in repeated.values())
-        some = [f"{pid} turn {t.first()}" for pid, t in list(repeated.items())[:3]]
+    reuse = find_reuse(used, ids)
+    if reuse:
+        other = (
+            ", or, if those are other prompts that only share ids with recorded ones, give the "
+            "records their own source-prefixed ids (`<source>/<id>`, as `dflash data prompts` "
+            "writes them)"
+            if reuse.across_prefix()
+            else ""
+        )
         raise DFlashError(
-            f"{data_path}: {len(repeated)} of its {len(ids)} training prompts supervise "
-            f"{turns} assistant turn(s) an earlier continuation recorded in "
-            f"{inherited.init_from}'s lineage already trained on (e.g. {', '.join(some)}); "
-            f"prepare the data with `dflash data prepare --exclude-lineage "
-            f"{inherited.init_from}` (those turns become context, their later turns stay), "
-            "or regenerate fresh prompts"
+            f"{data_path}: {reuse.prompts:,} of its {len(ids):,} training prompts supervise "
+            f"{reuse.turns_text()} an earlier continuation recorded in "
+            f"{inherited.init_from}'s lineage already trained on ({reuse.details()}); prepare "
+            f"the data with `dflash data prepare --exclude-lineage {inherited.init_from}` "
+            "(those turns become context, their later turns stay; ids match across a source "
+            f"prefix there too){other}, or regenerate fresh prompts"
         )
 
 

@@ -11,6 +11,14 @@ that were supervised, in one of three forms:
 
 `encode` writes a set of turns in the shortest of these forms, so a continuation that
 supervised every turn of its conversations writes exactly what an older tool would have.
+
+A prompt id names the same prompt with or without a source prefix: `dflash data prompts`
+writes `<source>/<id>` (`sharegpt/01j9WoA_0`), while a plain JSONL file of the same
+conversations may carry the bare `01j9WoA_0`. `RecordedTurns.matches` is the one rule every
+reader of a lineage applies (the trainer's refusal, `--exclude-lineage`, `dflash lineage
+verify` and its summary): ids match when equal, or when one is bare (no `/`) and equals the
+other's part after its first `/`. Two prefixed ids match only when equal (`asdiv/12` and
+`synth/12` are two prompts), as do two bare ones.
 """
 
 from __future__ import annotations
@@ -114,12 +122,22 @@ def overlap(a: Turns, b: Turns) -> TurnSet | None:
     return a.intersection(b)
 
 
+def unprefixed(pid: str) -> str | None:
+    """The part of `<source>/<id>` after the prefix when it is a bare id (no `/`), which a
+    bare id may then equal; None for a bare id, or one whose rest is prefixed again."""
+    _, sep, rest = pid.partition("/")
+    return rest if sep and rest and "/" not in rest else None
+
+
 class RecordedTurns:
     """The union of several continuations' (prompt id -> turns): what may not be trained on
     again."""
 
     def __init__(self, records: Iterable[Mapping[str, TurnsValue]] = ()) -> None:
         self.by_id: dict[str, Turns] = {}
+        self._prefixed: dict[str, list[str]] = {}
+        """Bare id -> the recorded `<source>/<id>`s it is the part after the prefix of: built
+        as ids are added, so matching a bare id is one look-up, not a scan of the lineage."""
         for record in records:
             for pid, value in record.items():
                 self.add(pid, decode(value))
@@ -128,7 +146,25 @@ class RecordedTurns:
         if pid in self.by_id:
             had = self.by_id[pid]
             turns = None if had is None or turns is None else had.union(turns)
+        else:
+            rest = unprefixed(pid)
+            if rest is not None:
+                self._prefixed.setdefault(rest, []).append(pid)
         self.by_id[pid] = turns
+
+    def matches(self, pid: str) -> list[str]:
+        """The recorded ids that name the prompt `pid` names (module docstring): `pid` itself,
+        the recorded `<source>/pid` of a bare `pid`, the recorded bare `x` of a `<source>/x`.
+        A bare id several sources recorded (`12`: `asdiv/12`, `synth/12`) matches them all:
+        which prompt it was cannot be told, so each one's turns count as trained on."""
+        out = [pid] if pid in self.by_id else []
+        if "/" not in pid:
+            out += self._prefixed.get(pid, ())
+        else:
+            rest = unprefixed(pid)
+            if rest is not None and rest in self.by_id:
+                out.append(rest)
+        return out
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -137,11 +173,18 @@ class RecordedTurns:
         return bool(self.by_id)
 
     def __contains__(self, pid: object) -> bool:
-        return pid in self.by_id
+        return isinstance(pid, str) and bool(self.matches(pid))
 
     def recorded(self, pid: str) -> Turns:
-        """The turns of `pid` already trained on (an empty set when none)."""
-        return self.by_id.get(pid, TurnSet())
+        """The turns of `pid` already trained on, under every id it matches (an empty set
+        when none)."""
+        done = TurnSet()
+        for m in self.matches(pid):
+            had = self.by_id[m]
+            if had is None:
+                return None
+            done = done.union(had)
+        return done
 
     def new_turns(self, pid: str, turns: int) -> list[int]:
         """Of turns 1..`turns` of `pid`, those no recorded continuation trained on."""
