@@ -21,6 +21,7 @@ from test_dflash2_serving import dflash2_from
 from test_evaluate import CONVERSATIONS, GREEDY, word_tokenizer
 from test_speculative import make_target, prompt, random_dflash
 from test_static_decode import PairedDrafter
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 from dflash_trainer.cli import main
@@ -97,6 +98,29 @@ def test_the_inductor_compiled_dflash2_step_drafts_the_same(backend):
     """The kernels --compile-drafter runs: the sampled selector walk, which has the most ops."""
     backend("inductor")
     check_same_drafts("dflash2", 0.8)
+
+
+def test_the_sampled_dflash_step_holds_no_scan_over_the_vocabulary(backend):
+    """At t > 0 a DFlash step draws each slot from its q over the whole vocabulary. Inductor
+    turns a cumulative sum over a row that long (SmolLM2: 49152 tokens) into its split scan,
+    whose code generation failed on an H100 (torch 2.11: "InductorError: TypeError: list
+    indices must be integers or slices, not NoneType", pytorch/pytorch#180221) and left the
+    step uncompiled. The CPU backend has no scan kernel (it calls ATen), so the aten graph the
+    step hands inductor is checked instead: no cumulative sum, no sorted search."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    backend(aot_autograd(fw_compiler=keep))
+    target = make_target("llama")
+    model = drafter_module("dflash", target)
+    drafter = StaticDFlashDrafter(model, target, CAPACITY, temperature=0.8, compile_drafter=True)
+    assert drafter.compile_drafter and len(graphs) == 1
+    ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert not {op for op in ops if "cumsum" in op or "searchsorted" in op or "scan" in op}
+    assert any("sum" in op for op in ops)  # the graph was read: it holds the masked sums
 
 
 def test_a_failed_compile_warns_once_and_drafts_uncompiled(backend, capsys):

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.core.geometry import DrafterSpec
-from dflash_trainer.eval.drafting import Proposal, rejection_verify
+from dflash_trainer.eval.drafting import Proposal, _inverse_cdf, rejection_verify
 from dflash_trainer.eval.speculative import (
     DFlashBlockDrafter,
     generate,
@@ -268,3 +268,26 @@ def test_rejection_verify_is_exact_on_a_constructed_block():
     torch.testing.assert_close(counts / n, p[0], atol=0.015, rtol=0)
     # Acceptance is sum(min(p, q)) = 0.1 + 0.2 + 0.2.
     assert abs(kept / n - 0.5) < 0.015
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 4, 101, 4097, 49152])
+def test_a_draft_over_the_vocabulary_is_the_inverse_cdf_index_of_its_uniform(vocab):
+    """DFlash's draw (two levels of masked sums, no cumulative sum over the vocabulary: see
+    _inverse_cdf) picks, for each uniform u, the token whose bin of the cumulative
+    distribution holds u times the total (exact in float64, up to float32 rounding): an exact
+    draw from q. Never a token of probability 0, also with u next to 1."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 32
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    logits[torch.rand(rows, vocab, generator=gen) < 0.4] = -float("inf")  # q = 0 tokens
+    logits[:, -1] = 0.0  # at least one token per row
+    q = torch.softmax(logits, -1)
+    cdf = torch.nn.functional.pad(q.double().cumsum(-1), (1, 0))  # cdf[i]: mass below token i
+    for _ in range(8):
+        u = torch.rand(rows, generator=gen)
+        u[:2] = torch.tensor([1 - 2**-24, 2**-24])  # the largest and smallest u above 0
+        x = _inverse_cdf(q, u)
+        assert (q.gather(1, x[:, None]) > 0).all()
+        where = u.double() * cdf[:, -1]
+        lo, hi = cdf.gather(1, x[:, None]).squeeze(1), cdf.gather(1, x[:, None] + 1).squeeze(1)
+        assert ((lo - 1e-6 <= where) & (where <= hi + 1e-6)).all()

@@ -7,7 +7,9 @@ graph, no host reads):
 
 - DFlash, greedy: the argmax of each slot's logits.
 - DFlash, sampled (t > 0 with draft sampling on): each slot drawn from q = softmax(z / t)
-  over the vocabulary, independently (DFlash drafts every slot in one parallel pass).
+  over the vocabulary, independently (DFlash drafts every slot in one parallel pass), by an
+  inverse CDF in two levels of masked sums (`_inverse_cdf`: no scan over the vocabulary,
+  which torch.compile could not build on a GPU).
 - DFlash2: the top-K candidates of each slot, scored by the selector's lattice and walked
   from the anchor: argmax per slot given the previous choice (greedy), or a draw from
   q_s = softmax(S_s(previous choice, .) / t) over the K candidates (sampled).
@@ -46,12 +48,51 @@ class Proposal(NamedTuple):
     ids_SK: torch.Tensor | None
 
 
-def _inverse_cdf(q_SK: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
-    """One index per row drawn from the row's distribution."""
-    cdf = q_SK.cumsum(-1)
-    # u times the total: a cumulative sum that ends a hair under 1 never lets u miss every bin.
-    u = (uniforms_S.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1).contiguous()
-    return torch.searchsorted(cdf.contiguous(), u).squeeze(-1).clamp(max=q_SK.shape[-1] - 1)
+def _running_sums(x_SN: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sums along the last dim, each a masked sum over the whole row
+    (no scan). One summation order for every prefix, and float addition is monotone, so the
+    sums never decrease along the row."""
+    n = x_SN.shape[-1]
+    i = torch.arange(n, device=x_SN.device)
+    upto_NN = i[None, :] <= i[:, None]  # [prefix end, term]
+    return torch.where(upto_NN, x_SN.unsqueeze(-2), 0.0).sum(-1)
+
+
+def _inverse_cdf(q_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
+    """One index per row drawn from the row's distribution (a vocabulary's worth of
+    entries) by inverse CDF, without a cumulative sum over the row.
+
+    Why: torch.compile turns a cumsum over tens of thousands of entries per row into
+    inductor's split scan (several blocks per row on a GPU), whose code generation fails
+    with "list indices must be integers or slices, not NoneType" when the scan's input
+    reads a per-row value, as softmax's maximum and sum are (pytorch/pytorch#180221, fixed
+    after torch 2.11; seen on an H100 with SmolLM2's 49152 tokens: the DFlash step at t > 0
+    fell back to uncompiled). This draws with the same uniform in two levels of about
+    sqrt(V) entries each, from masked sums (no scan): the chunk of W consecutive tokens
+    whose running total first reaches u times the row's total, then, in that chunk, the
+    token whose running total first reaches the rest (rescaled to the chunk's own sum).
+    With exact sums that is the index the flat inverse CDF picks, so a draw is exactly
+    from q up to float rounding, as the flat one is; and it never picks a token of
+    probability 0 (for u > 0).
+    """
+    s, v = q_SV.shape
+    w = 1 << ((v - 1).bit_length() + 1) // 2  # the power of two at or above sqrt(V)
+    c = -(-v // w)
+    q_SCW = torch.nn.functional.pad(q_SV, (0, c * w - v)).view(s, c, w)  # padding: q = 0
+    upto_SC = _running_sums(q_SCW.sum(-1))
+    # u times the total: a total a hair under 1 never lets u miss every chunk.
+    target_S = uniforms_S.to(q_SV.dtype) * upto_SC[:, -1]
+    # The first chunk whose running total reaches the target (searchsorted, side left).
+    chunk_S = (upto_SC < target_S[:, None]).sum(-1).clamp(max=c - 1)
+    before_S1 = torch.nn.functional.pad(upto_SC[:, :-1], (1, 0)).gather(1, chunk_S[:, None])
+    mass_S1 = upto_SC.gather(1, chunk_S[:, None]) - before_S1
+    # Where the target falls inside the chosen chunk, in [0, 1]; 0 for an empty chunk,
+    # which only u = 0 picks (the chunk of index 0, like the flat search).
+    frac_S = torch.where(mass_S1 > 0, (target_S[:, None] - before_S1) / mass_S1, 0.0).squeeze(1)
+    row_SW = q_SCW.gather(1, chunk_S.view(s, 1, 1).expand(s, 1, w)).squeeze(1)
+    upto_SW = _running_sums(row_SW)
+    inside_S = (upto_SW < (frac_S * upto_SW[:, -1])[:, None]).sum(-1).clamp(max=w - 1)
+    return (chunk_S * w + inside_S).clamp(max=v - 1)
 
 
 def draft_tokens(
