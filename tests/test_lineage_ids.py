@@ -181,6 +181,25 @@ def test_show_verify_and_card_tell_of_turns_trained_twice(
     assert "trained again" not in card
 
 
+def test_verify_last_binds_only_the_newest_continuation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A history that already re-trained turns cannot be changed; `verify --last` still
+    refuses a new continuation that does it again, and prints the recorded reuse."""
+    history = ({"sharegpt/a_0": 1}, {"a_0": 1})
+    d = _drafter(tmp_path / "d", *history, {"b_0": 1})
+    capsys.readouterr()
+    assert main(["lineage", "verify", str(d)]) != 0
+    assert main(["lineage", "verify", str(d), "--last"]) == 0
+    err = capsys.readouterr().err
+    assert "recorded earlier: continuations 0 and 1 both trained on 1 assistant turn(s)" in err
+    again = _drafter(tmp_path / "again", *history, {"sharegpt/a_0": 1})
+    assert main(["lineage", "verify", str(again), "--last"]) != 0
+    err = capsys.readouterr().err
+    assert "continuations 0 and 2 both trained on" in err
+    assert "recorded earlier: continuations 0 and 1" in err
+
+
 def test_show_reads_a_lineage_whose_prompt_ids_are_damaged(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -34,6 +34,8 @@
 #   packages (benchmarks/offline_bundle.sh).
 # Knobs: REGEN_SECONDS (900), SYNTH_N (20000), SEED, MIX (smollm2-mix; "" for none), STEPS (the
 #   recipe's epochs when empty), EPOCHS (the recipe's 6 when empty), LR (3e-4), WARMUP (0.02),
+#   KIND (dflash; dflash2 when INIT is a DFlash2 drafter, e.g. drafters/smollm2-135m-dflash2-b16),
+#   SELECTOR_LR_SCALE (1: a DFlash2 INIT's selector is trained already),
 #   MIN_RECORDS (200: fewer regenerated conversations fail the regen stage; the time limit
 #   includes the engine's compile, about 80 s), SAMPLES (40), EVAL_NEW_TOKENS (256), TEMPS ("0,1"; an eval stage run again with other
 #   temperatures adds to the comparison JSON), ALSO_GREEDY (1: the new drafter served once more with
@@ -165,6 +167,9 @@ train() {
   [ -e "$OUT/run/drafter/lineage.json" ] && return 0
   needs prepare || return 1
   local args=(--recipe smollm2-135m --init-from "$OUT/init")
+  # A DFlash2 INIT continues as DFlash2: its selector's codebooks are trained tables.
+  [ "${KIND:-dflash}" = dflash2 ] && args+=(drafter.kind=dflash2 drafter.selector_codebooks=tables
+    "training.selector_lr_scale=${SELECTOR_LR_SCALE:-1}")
   [ -e "$OUT/run/checkpoints/LATEST" ] && args=(--resume "$OUT/run")
   local steps=()
   [ -n "${STEPS:-}" ] && steps=("training.max_steps=$STEPS")
@@ -197,7 +202,7 @@ serve() {
   local report="$OUT/eval/dflash2_vs_dflash.json"
   $DFLASH lineage add-eval "$OUT/export" "$report" --name new \
     && $DFLASH lineage add-eval "$OUT/export" "$report" --name published --continuation $((k - 2)) \
-    && $DFLASH lineage verify "$OUT/export" \
+    && $DFLASH lineage verify "$OUT/export" --last \
     && "$PY" benchmarks/headline_job_report.py --eval "$report" --drafter "$OUT/export" \
       --out "$OUT" \
     && "$PY" benchmarks/lineage_curve.py "$OUT/export" --out "$OUT/curve/lineage_curve"

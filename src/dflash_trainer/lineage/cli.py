@@ -1,8 +1,9 @@
 """`dflash lineage show | verify | add-eval | init`: read and extend a drafter's lineage.
 
 dflash lineage show DIR                       the continuations and cumulative totals
-dflash lineage verify DIR                     the hashes against the files beside them,
-                                              no turn of a prompt trained twice
+dflash lineage verify DIR [--last]            the hashes against the files beside them,
+                                              no turn of a prompt trained twice (--last:
+                                              by the last continuation)
 dflash lineage add-eval DIR REPORT [--name N] served numbers after the last continuation
 dflash lineage init DIR --prompts FILE ...    record how a drafter without a lineage
                                               was trained (its first continuation)
@@ -37,7 +38,7 @@ from dflash_trainer.lineage.record import (
     weights_sha256,
     write_lineage,
 )
-from dflash_trainer.lineage.reuse import retrained
+from dflash_trainer.lineage.reuse import Retrained, retrained
 from dflash_trainer.lineage.served import eval_entry
 from dflash_trainer.lineage.summary import lineage_lines, replace_section
 from dflash_trainer.lineage.turns import TurnsValue, count
@@ -59,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print the totals as JSON")
     v = sub.add_parser("verify", help="check the weights and prompt-id hashes")
     v.add_argument("dir")
+    v.add_argument(
+        "--last",
+        action="store_true",
+        help="refuse only turns the last continuation trained on again (earlier continuations' "
+        "recorded reuse is printed, not refused): the check after a new continuation of a "
+        "drafter whose history already holds some",
+    )
     a = sub.add_parser("add-eval", help="attach evaluation reports to the last continuation")
     a.add_argument("dir")
     a.add_argument("reports", nargs="+", help="eval.json, a headline JSON or a comparison JSON")
@@ -139,7 +147,7 @@ def _verify(args: argparse.Namespace) -> int:
                 f"{d / LINEAGE_FILE}: continuation {c['index']} starts from weights {start} "
                 f"that continuation {prev['index']} neither produced nor exported"
             )
-    seen = _no_turn_twice(prompts, d / LINEAGE_FILE)
+    seen = _no_turn_twice(prompts, d / LINEAGE_FILE, len(conts) - 1 if args.last else None)
     print(
         f"{d}: lineage OK ({len(conts)} continuations, {len(seen):,} distinct prompt ids, "
         f"weights sha256 {h[:16]}... match the last continuation)"
@@ -147,11 +155,24 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _no_turn_twice(prompts: list[dict[str, TurnsValue]], where: Path) -> dict[str, list[int]]:
+def _no_turn_twice(
+    prompts: list[dict[str, TurnsValue]], where: Path, only_later: int | None = None
+) -> dict[str, list[int]]:
     """Refuse a lineage in which two continuations trained on the same (prompt id, assistant
     turn), ids matched across a source prefix too (lineage/reuse.py); a later continuation may
-    train on a prompt's later turns. {id: the continuations recording it}."""
-    again = retrained(prompts)
+    train on a prompt's later turns. `only_later`: refuse only that continuation's reuse and
+    print the rest (a history cannot be retrained; the rule binds each new continuation).
+    {id: the continuations recording it}."""
+    again: list[Retrained] = []
+    recorded: list[Retrained] = []
+    for r in retrained(prompts):
+        (again if only_later is None or r.later == only_later else recorded).append(r)
+    for r in recorded:
+        print(
+            f"{where}: recorded earlier: continuations {r.earlier} and {r.later} both "
+            f"trained on {r.reuse.amount()} ({r.reuse.details()})",
+            file=sys.stderr,
+        )
     if again:
         pairs = "; ".join(
             f"continuations {r.earlier} and {r.later} both trained on {r.reuse.amount()} "
