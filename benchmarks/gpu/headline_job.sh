@@ -59,6 +59,9 @@
 #   The CPU rehearsal on 2 shared cores: setup 32 s (the genesis: 45,041 prompt ids), regen
 #   169 s (35,041 mixture prompts left out as recorded, 2 synthesized ones regenerated), prepare
 #   6 s, train 49 s (2 steps), eval 233 s (1 prompt a set, 8 tokens), pack 3 s (3 parts).
+#   With INIT=drafters/smollm2-135m-dflash2-b16 KIND=dflash2: regen 133 s, prepare 9 s, train
+#   182 s, export 12 s, pack 12 s (5 parts), eval 85 s; `verify --last` prints the reuse its
+#   lineage already records and passes.
 # Result document: benchmarks/headline_job_smollm2_<gpu>_<date>.md
 source "$(dirname "$0")/../lib.sh"
 OUT="${OUT:-$REPO/benchmarks/out/headline_job}"
