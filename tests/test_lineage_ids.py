@@ -165,6 +165,9 @@ def test_show_verify_and_card_tell_of_turns_trained_twice(
     assert main(["lineage", "show", str(d)]) == 0
     shown = capsys.readouterr().out
     assert line in shown and "no earlier one trained on" not in shown
+    assert main(["lineage", "show", str(d), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)["retrained"]
+    assert [(r["later"], r["earlier"], r["prompts"], r["turns"]) for r in again] == [(1, 0, 1, 1)]
     assert main(["lineage", "verify", str(d)]) != 0
     err = capsys.readouterr().err
     assert "continuations 0 and 1 both trained on 1 assistant turn(s) of 1 prompt(s)" in err

@@ -118,15 +118,23 @@ def _need(path: str) -> tuple[Path, dict[str, Any]]:
 
 def _show(args: argparse.Namespace) -> int:
     d, lineage = _need(args.dir)
-    if args.json:
-        print(json.dumps(totals(lineage), indent=1))
-        return 0
     try:
         prompts = read_prompts(d)
     except DFlashError as e:  # the continuations still read; `verify` refuses the files
         print(f"dflash lineage show: prompt ids not read, so not checked for turns trained "
               f"twice: {e}", file=sys.stderr)  # fmt: skip
         prompts = None
+    if args.json:
+        # The totals count a re-trained turn once per continuation that trained on it;
+        # "retrained" says which (null: the prompt ids could not be read to tell).
+        again = None if prompts is None else [
+            {"later": r.later, "earlier": r.earlier, "prompts": r.reuse.prompts,
+             "turns": r.reuse.turns, "every_turn_prompts": r.reuse.every_turn,
+             "how": r.reuse.details()}
+            for r in retrained(prompts)
+        ]  # fmt: skip
+        print(json.dumps({**totals(lineage), "retrained": again}, indent=1))
+        return 0
     print(f"{d / LINEAGE_FILE}")
     print("\n".join(lineage_lines(lineage, prompts)[2:]))
     return 0
