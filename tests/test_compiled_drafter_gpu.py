@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_speculative import LAYER_IDS, drafter_spec, random_dflash
 from test_speculative_gpu import cuda_target, dflash2_on_cuda, seeded_runs
+from test_target import tiny_llama
 from torch._dynamo.utils import counters
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_trainer.core.drafter import DFlashDrafter
 from dflash_trainer.eval.static_decode import StaticDFlashDrafter, StaticTargetRunner
@@ -57,18 +57,7 @@ SMOLLM2_VOCAB = 49152
 def smollm2_shaped_dflash_on_cuda():
     """SmolLM2-135M's decode in small: a bf16 llama target of SmolLM2's vocabulary (49152)
     and a bf16 DFlash drafter of block 16 for it, both on the GPU."""
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=SMOLLM2_VOCAB,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
+    model = tiny_llama(SMOLLM2_VOCAB)
     target = FrozenTarget(model.to("cuda", torch.bfloat16), LAYER_IDS)
     spec = replace(drafter_spec(16), vocab_size=SMOLLM2_VOCAB, mask_token_id=SMOLLM2_VOCAB - 1)
     torch.manual_seed(0)

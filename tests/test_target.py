@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dflash_trainer.target.model import FrozenTarget
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(vocab_size: int = 101) -> torch.nn.Module:
     cfg = AutoConfig.for_model(
         "llama",
         hidden_size=32,
@@ -17,7 +17,7 @@ def tiny_llama() -> torch.nn.Module:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=101,
+        vocab_size=vocab_size,
         max_position_embeddings=256,
     )
     torch.manual_seed(0)
