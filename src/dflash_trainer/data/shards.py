@@ -248,28 +248,34 @@ class _Shard:
             doc_id=self._doc_ids[j].decode(),
         )
 
+    def _mask_chunks(self, chunk: int) -> Iterator[tuple[int, np.ndarray, int, int]]:
+        """The shard's loss mask `chunk` tokens at a time, for readers whose memory must not
+        grow with the shard: (start offset, the chunk's mask, first and one-past-last
+        document the chunk overlaps)."""
+        if self._mask is None:
+            self._map()
+        assert self._mask is not None
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        total = int(self.offsets[-1])
+        for lo in range(0, total, chunk):
+            hi = min(lo + chunk, total)
+            first = int(np.searchsorted(ends, lo, "right"))  # the document holding `lo`
+            yield lo, self._mask[lo:hi], first, int(np.searchsorted(starts, hi))
+
     def supervised_counts(self, chunk: int = 1 << 22) -> np.ndarray:
         """int64 [n]: supervised tokens per document. The mask is summed `chunk` tokens at a
         time: memory stays bounded whatever the shard's size (the whole shard widened to
         int64 at once took 512 MB for a full one)."""
-        if self._mask is None:
-            self._map()
-        assert self._mask is not None
-        mask = self._mask.view(np.uint8)
-        starts, ends = self.offsets[:-1], self.offsets[1:]
+        starts = self.offsets[:-1]
         counts = np.zeros(len(starts), dtype=np.int64)
-        total = int(self.offsets[-1])
-        for lo in range(0, total, chunk):
-            hi = min(lo + chunk, total)
+        for lo, mask, doc, past in self._mask_chunks(chunk):
             # The chunk's segments: from `lo` to the next document start, then one per
             # document starting inside it. Documents are never empty (offsets grow), so no
             # segment is empty (reduceat would give an element, not a sum, for one).
-            doc = int(np.searchsorted(ends, lo, "right"))  # the document holding `lo`
-            inner = starts[doc + 1 : int(np.searchsorted(starts, hi))]
-            bounds = np.concatenate([[0], inner - lo])
+            bounds = np.concatenate([[0], starts[doc + 1 : past] - lo])
             # Summed as int64 (a uint8 sum would wrap): numpy widens the chunk to do it,
             # 8 bytes a token of the chunk (32 MiB at the default), never of the shard.
-            sums = np.add.reduceat(mask[lo:hi], bounds, dtype=np.int64)
+            sums = np.add.reduceat(mask.view(np.uint8), bounds, dtype=np.int64)
             counts[doc : doc + len(bounds)] += sums
         return counts
 
@@ -277,20 +283,16 @@ class _Shard:
         """int64 [n]: each document's first supervised position after its first token, or its
         length where it has none (no anchor of it has a supervised next token). The mask is
         read `chunk` tokens at a time: memory stays bounded whatever the shard's size."""
-        if self._mask is None:
-            self._map()
-        assert self._mask is not None
         starts, ends = self.offsets[:-1], self.offsets[1:]
         first = np.asarray(ends - starts, dtype=np.int64)
         found = np.zeros(len(starts), dtype=np.bool_)
-        for lo in range(0, int(self.offsets[-1]), chunk):
-            hi = min(lo + chunk, int(self.offsets[-1]))
-            pos = np.flatnonzero(self._mask[lo:hi]) + lo
+        for lo, mask, doc, past in self._mask_chunks(chunk):
+            pos = np.flatnonzero(mask) + lo
             if not len(pos):
                 continue
             # The documents this chunk overlaps whose first supervised token is still unseen:
             # none of theirs lies before `lo`, so the first one in the chunk is theirs.
-            docs = np.arange(np.searchsorted(ends, lo, "right"), np.searchsorted(starts, hi))
+            docs = np.arange(doc, past)
             docs = docs[~found[docs]]
             k = np.searchsorted(pos, starts[docs] + 1)
             at = pos[np.minimum(k, len(pos) - 1)]
