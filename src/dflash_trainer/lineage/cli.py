@@ -176,17 +176,9 @@ def _no_turn_twice(
     for r in retrained(prompts):
         (again if only_later is None or r.later == only_later else recorded).append(r)
     for r in recorded:
-        print(
-            f"{where}: recorded earlier: continuations {r.earlier} and {r.later} both "
-            f"trained on {r.reuse.amount()} ({r.reuse.details()})",
-            file=sys.stderr,
-        )
+        print(f"{where}: recorded earlier: {r.pair_text()}", file=sys.stderr)
     if again:
-        pairs = "; ".join(
-            f"continuations {r.earlier} and {r.later} both trained on {r.reuse.amount()} "
-            f"({r.reuse.details()})"
-            for r in again
-        )
+        pairs = "; ".join(r.pair_text() for r in again)
         raise DFlashError(
             f"{where}: a continuation trained on turns an earlier one had trained on: {pairs}. "
             "The record is what those weights saw and stays as it is (`dflash lineage show` "

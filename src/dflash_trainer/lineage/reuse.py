@@ -133,6 +133,13 @@ class Retrained:
             f"continuation {self.earlier} had trained on ({self.reuse.details()})"
         )
 
+    def pair_text(self) -> str:
+        """The same, as `dflash lineage verify` names the pair."""
+        return (
+            f"continuations {self.earlier} and {self.later} both trained on "
+            f"{self.reuse.amount()} ({self.reuse.details()})"
+        )
+
 
 def retrained(prompts: Sequence[Mapping[str, TurnsValue]]) -> list[Retrained]:
     """Every (later, earlier) pair of a lineage's continuations (each one's {prompt id:
