@@ -95,6 +95,10 @@ needs() {  # a stage that works on what an earlier one made runs only after it f
 case "${MIN_RECORDS:-200}" in
   '' | *[!0-9]*) echo "MIN_RECORDS=${MIN_RECORDS} must be a whole number" >&2; exit 2 ;;
 esac
+case "${KIND:-dflash}" in
+  dflash | dflash2) ;;
+  *) echo "KIND=${KIND} must be dflash or dflash2 (the kind of the INIT drafter)" >&2; exit 2 ;;
+esac
 
 continuations() {  # recorded continuations of the drafter at $1
   $DFLASH lineage show "$1" --json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["continuations"])'
